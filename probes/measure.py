@@ -1,0 +1,179 @@
+"""Device-side statistics. Everything is reduced where the tensor lives and appended to one
+list of small device vectors; ``StepMeasurements.fetch()`` copies them to the host once per
+device per sampled step (one host sync), never ``.item()`` per tensor."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .schema import HIST_BINS, HIST_EDGES
+
+# layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
+CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
+CALL_WIDTH = len(CALL_FIELDS) + HIST_BINS
+HIST_SAMPLE = 4096            # the histogram is taken on at most this many evenly strided values
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+NOT_APPLICABLE = -1.0
+
+
+def float_tensors(output: Any, limit: int = 16) -> list[torch.Tensor]:
+    """Floating tensors in a module output: tensor, tuple/list, dict/ModelOutput, dataclass, None."""
+    found: list[torch.Tensor] = []
+
+    def visit(obj: Any, depth: int) -> None:
+        if len(found) >= limit or depth > 3 or obj is None:
+            return
+        if isinstance(obj, torch.Tensor):
+            if obj.dtype in _FLOAT_TYPES and obj.layout == torch.strided and obj.device.type != "meta":
+                found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name, None), depth + 1)
+
+    visit(output, 0)
+    return found
+
+
+def primary(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    for t in tensors:
+        if t.dim() >= 1 and t.numel() > 0:
+            return t
+    return tensors[0] if tensors and tensors[0].numel() > 0 else None
+
+
+class StepMeasurements:
+    """Small device vectors gathered during one sampled step, fetched in one copy per device."""
+
+    def __init__(self) -> None:
+        self._chunks: list[torch.Tensor] = []
+        self._edges: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, vec: torch.Tensor) -> int:
+        self._chunks.append(vec.detach().reshape(-1).to(torch.float32))
+        return len(self._chunks) - 1
+
+    def edges(self, device: torch.device) -> torch.Tensor:
+        e = self._edges.get(device)
+        if e is None:
+            e = self._edges[device] = torch.tensor(HIST_EDGES, dtype=torch.float32, device=device)
+        return e
+
+    def fetch(self) -> list[list[float]]:
+        """Host copies of every chunk, in order: one concatenation and one copy per device."""
+        if not self._chunks:
+            return []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, c in enumerate(self._chunks):
+            by_device.setdefault(c.device, []).append(i)
+        out: list[list[float]] = [[] for _ in self._chunks]
+        for device, idx in by_device.items():
+            flat = torch.cat([self._chunks[i] for i in idx]).cpu().tolist()
+            pos = 0
+            for i in idx:
+                n = self._chunks[i].numel()
+                out[i] = flat[pos:pos + n]
+                pos += n
+        self._chunks.clear()
+        return out
+
+
+def call_vector(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int, sat_kind: str | None,
+                last_active: torch.Tensor | None, sample_index: int, window: int,
+                edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Statistics of one module output as one device vector (CALL_WIDTH), plus the updated
+    per-unit 'last active sample' vector used for dead units over the window."""
+    with torch.no_grad():
+        xf = x.detach()
+        if xf.dtype not in (torch.float32, torch.float64):
+            xf = xf.float()
+        n = xf.numel()
+        std, mean = torch.std_mean(xf, correction=0)
+        amin, amax = torch.aminmax(xf)
+        absmax = torch.maximum(amax, -amin)
+        nz = xf != 0
+        nonzero = nz.sum()
+        zero_frac = 1.0 - nonzero.to(torch.float32) / n
+        nonfinite = n - torch.isfinite(xf).sum()
+        for t in extra_nonfinite:
+            nonfinite = nonfinite + (t.numel() - torch.isfinite(t.detach()).sum())
+        dead = xf.new_tensor(NOT_APPLICABLE, dtype=torch.float32)
+        new_last = last_active
+        if xf.dim() >= 1:
+            dims = tuple(d for d in range(xf.dim()) if d != udim)
+            active = nz.any(dim=dims) if dims else nz
+            if last_active is None or last_active.shape != active.shape or last_active.device != active.device:
+                last_active = torch.full(active.shape, -1, dtype=torch.int64, device=active.device)
+            new_last = torch.where(active, sample_index, last_active)
+            threshold = max(0, sample_index - window + 1)
+            dead = (new_last < threshold).to(torch.float32).mean()
+        if sat_kind == "tanh":
+            sat = (xf.abs() > 0.99).to(torch.float32).mean()
+        elif sat_kind == "sigmoid":
+            sat = ((xf < 0.01) | (xf > 0.99)).to(torch.float32).mean()
+        else:
+            sat = xf.new_tensor(NOT_APPLICABLE, dtype=torch.float32)
+        flat = xf.reshape(-1)
+        stride = max(1, n // HIST_SAMPLE)
+        sample = flat[::stride][:HIST_SAMPLE].to(torch.float32)
+        ge = (sample.unsqueeze(1) >= edges).sum(0).to(torch.float32)      # deterministic, no atomics
+        m = float(sample.numel())
+        hist = torch.cat([(m - ge[:1]), ge[:-1] - ge[1:], ge[-1:]])
+        head = torch.stack([mean.to(torch.float32), std.to(torch.float32), absmax.to(torch.float32),
+                            zero_frac, dead, sat, nonfinite.to(torch.float32)])
+        return torch.cat([head, hist]), new_last
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    by_key: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_key.setdefault((t.device, t.dtype), []).append(i)
+    for idx in by_key.values():
+        yield idx, [tensors[i] for i in idx]
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """L2 norms of many tensors as one float32 vector on the first tensor's device."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    groups = list(_groups(tensors))
+    if len(groups) == 1 and groups[0][1][0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
+        with torch.no_grad():
+            return torch.stack(torch._foreach_norm(groups[0][1]))
+    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for idx, group in groups:
+            if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
+                vals = torch.stack(torch._foreach_norm(group))
+            else:
+                vals = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in group])
+            out[torch.tensor(idx, device=device)] = vals.to(device=device, dtype=torch.float32)
+    return out
+
+
+def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [t.detach().clone() for t in tensors]
+
+
+def delta_norms(after: Sequence[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor | None:
+    """||after - before|| per tensor; ``before`` is overwritten (no extra memory)."""
+    if not before:
+        return None
+    with torch.no_grad():
+        for idx, group in _groups(before):
+            aft = [after[i].detach() for i in idx]
+            if hasattr(torch, "_foreach_sub_"):
+                torch._foreach_sub_(group, aft)
+            else:
+                for b, a in zip(group, aft):
+                    b.sub_(a)
+        return norms(before)

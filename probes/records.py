@@ -1,0 +1,133 @@
+"""Pure record builders: Python values in, (sql, rows) operations out. No I/O, no torch."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from .findings import Finding
+from .schema import HIST_EDGES, SCHEMA_VERSION
+from .store import Op, upsert_sql
+from .structure import ModuleNode, TensorNode
+
+MODULE_COLS = ("rank", "module_id", "path", "parent_id", "name", "type", "type_module", "kind", "depth",
+               "n_children", "params_total", "params_trainable", "params_in_optimizer", "first_step")
+PARAM_COLS = ("rank", "param_id", "path", "module_id", "name", "shape", "numel", "dtype", "device", "kind",
+              "requires_grad", "registered", "is_parameter", "in_state_dict", "in_optimizer", "opt_index",
+              "opt_group", "lr", "aliases")
+STEP_COLS = ("rank", "step", "wall_time", "step_ms", "probe_ms", "sampled")
+MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "absmax", "zero_frac",
+              "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
+PSTAT_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm", "update_norm", "update_ratio")
+FINDING_COLS = ("rank", "code", "path", "severity", "module_id", "message", "fix", "evidence",
+                "first_step", "last_step", "active")
+RANK_COLS = ("rank", "world_size", "hostname", "pid", "model_class", "torch_version", "python_version",
+             "device", "sampling", "started_at", "updated_at", "status", "step")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str, allow_nan=False) if value is not None else None  # type: ignore[return-value]
+
+
+def finite_or_none(x: float | None) -> float | None:
+    if x is None or x != x or x in (float("inf"), float("-inf")):
+        return None
+    return float(x)
+
+
+def meta_ops(run_name: str, created_at: float, extra: dict[str, Any] | None = None) -> list[Op]:
+    items = {"schema_version": SCHEMA_VERSION, "run_name": run_name, "created_at": created_at,
+             "created_by": "modscope probes", "hist_edges": HIST_EDGES}
+    items.update(extra or {})
+    sql = "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value"
+    return [(sql, [(k, json.dumps(v, default=str)) for k, v in items.items()])]
+
+
+def rank_ops(info: dict[str, Any]) -> list[Op]:
+    row = tuple(info.get(c) if c != "sampling" else _json(info.get(c)) for c in RANK_COLS)
+    return [(upsert_sql("ranks", RANK_COLS, ("rank",)), [row])]
+
+
+def rank_counters_op(rank: int, step: int, now: float, written: int, dropped: int, errors: int,
+                     overhead: float | None, status: str = "running", closed_at: float | None = None) -> Op:
+    sql = ("UPDATE ranks SET step=?, updated_at=?, samples_written=?, samples_dropped=?, probe_errors=?, "
+           "overhead=COALESCE(?, overhead), status=?, closed_at=COALESCE(?, closed_at) WHERE rank=?")
+    return (sql, [(step, now, written, dropped, errors, finite_or_none(overhead), status, closed_at, rank)])
+
+
+def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[TensorNode],
+                  first_step: int | None) -> list[Op]:
+    mrows = [(rank, m.module_id, m.path, m.parent_id, m.name, m.type, m.type_module, m.kind, m.depth,
+              m.n_children, m.params_total, m.params_trainable, m.params_in_optimizer, first_step)
+             for m in modules]
+    prows = [(rank, t.param_id, t.path, t.module_id, t.name, _json(t.shape), t.numel, t.dtype, t.device,
+              t.kind, int(t.requires_grad), int(t.registered), int(t.is_parameter), int(t.in_state_dict),
+              int(t.in_optimizer), t.opt_index, t.opt_group, finite_or_none(t.lr), _json(t.aliases))
+             for t in tensors]
+    mcols = [c for c in MODULE_COLS if c != "first_step"]
+    ops: list[Op] = [
+        (upsert_sql("modules", MODULE_COLS, ("rank", "module_id")).replace(
+            ", first_step=excluded.first_step", ""), mrows),
+        (upsert_sql("params", PARAM_COLS, ("rank", "param_id")), prows),
+    ]
+    del mcols
+    return ops
+
+
+def step_op(rank: int, step: int, wall_time: float, step_ms: float | None, probe_ms: float | None,
+            sampled: bool) -> Op:
+    return (upsert_sql("steps", STEP_COLS, ("rank", "step")),
+            [(rank, step, wall_time, finite_or_none(step_ms), finite_or_none(probe_ms), int(sampled))])
+
+
+def loss_op(rank: int, step: int, wall_time: float, loss: float | None) -> Op:
+    sql = ("INSERT INTO steps(rank, step, wall_time, loss, sampled) VALUES (?, ?, ?, ?, 0) "
+           "ON CONFLICT(rank, step) DO UPDATE SET loss=excluded.loss")
+    return (sql, [(rank, step, wall_time, finite_or_none(loss))])
+
+
+def module_stats_op(rows: list[tuple]) -> Op:
+    return (upsert_sql("module_stats", MSTAT_COLS, ("rank", "module_id", "step")), rows)
+
+
+def param_stats_op(rows: list[tuple]) -> Op:
+    return (upsert_sql("param_stats", PSTAT_COLS, ("rank", "param_id", "step")), rows)
+
+
+def moved_op(rank: int, moved: dict[int, int]) -> Op:
+    return ("UPDATE params SET moved=? WHERE rank=? AND param_id=?",
+            [(v, rank, pid) for pid, v in moved.items()])
+
+
+def findings_ops(rank: int, active: Iterable[tuple[Finding, int | None, int | None]],
+                 resolved: Iterable[tuple[str, str]], step: int | None) -> list[Op]:
+    """active: (finding, module_id, first_step). Upserts keep first_step from the first sighting."""
+    sql = (f"INSERT INTO findings ({', '.join(FINDING_COLS)}) VALUES ({', '.join('?' * len(FINDING_COLS))}) "
+           "ON CONFLICT(rank, code, path) DO UPDATE SET severity=excluded.severity, "
+           "module_id=excluded.module_id, message=excluded.message, fix=excluded.fix, "
+           "evidence=excluded.evidence, last_step=excluded.last_step, active=1")
+    rows = [(rank, f.code, f.path, f.severity, mid, f.message, f.fix, _json(_clean(f.evidence)), first,
+             step, 1) for f, mid, first in active]
+    ops: list[Op] = [(sql, rows)] if rows else []
+    res = [(step, rank, code, path) for code, path in resolved]
+    if res:
+        ops.append(("UPDATE findings SET active=0, last_step=? WHERE rank=? AND code=? AND path=?", res))
+    return ops
+
+
+def errors_op(rank: int, errors: dict[tuple[str, str], dict[str, Any]]) -> Op:
+    sql = ("INSERT INTO probe_errors(rank, location, error_type, message, count, first_step, last_step) "
+           "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(rank, location, error_type) DO UPDATE SET "
+           "message=excluded.message, count=excluded.count, last_step=excluded.last_step")
+    return (sql, [(rank, loc, etype, e["message"], e["count"], e["first_step"], e["last_step"])
+                  for (loc, etype), e in errors.items()])
+
+
+def _clean(value: Any) -> Any:
+    """Evidence must be strict JSON: NaN/Inf become strings."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value

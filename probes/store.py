@@ -1,0 +1,206 @@
+"""The run store: one SQLite file (WAL) written by one background thread.
+
+Training threads only enqueue ready-made SQL operations; they never touch the disk. A full
+queue drops samples (counted). Structure, findings and errors go through a separate
+unbounded control lane so they are never dropped.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .schema import DDL, SCHEMA_VERSION, TABLES
+
+Op = tuple[str, Sequence[Sequence[Any]]]      # (sql, rows) for executemany
+
+_SENTINEL = object()
+
+
+class StoreError(RuntimeError):
+    """A store that cannot be opened or written, with the path and the reason."""
+
+
+def connect_writer(path: str | os.PathLike) -> sqlite3.Connection:
+    path = Path(path)
+    try:
+        conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"{path}: not a modscope store (SQLite says: {exc})") from None
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise StoreError(f"{path}: written by store schema version {version}; this probes library "
+                         f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")    # durable against a killed process; WAL commits are atomic
+    conn.execute("PRAGMA busy_timeout=30000")    # several ranks may share one file
+    conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+    return conn
+
+
+class StoreWriter:
+    """One writer thread with a bounded queue, a sentinel shutdown and an idempotent close()."""
+
+    def __init__(self, path: str | os.PathLike, max_queue: int = 512) -> None:
+        self.path = Path(path)
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._control: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.dropped = 0
+        self.written = 0
+        self.write_errors = 0
+        self.last_error: str | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="modscope-store-writer", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=60)
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    # -- producer side (training thread) ----------------------------------------------------
+    def submit(self, ops: list[Op], droppable: bool = True) -> bool:
+        """Queue ops for one transaction. Returns False when dropped (queue full or closed)."""
+        if self._closed:
+            return False
+        if not droppable:
+            self._control.append(ops)
+            self._wake.set()
+            return True
+        try:
+            self._queue.put_nowait(ops)
+        except queue.Full:
+            self.dropped += 1
+            return False
+        self._wake.set()
+        return True
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted so far is committed (bounded wait, never hangs)."""
+        if self._closed or not self._thread.is_alive():
+            return False
+        done = threading.Event()
+        self._control.append(done)
+        self._wake.set()
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._control.append(_SENTINEL)
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            conn = connect_writer(self.path)
+        except BaseException as exc:      # reported to the constructor, which raises it
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        stop = False
+        try:
+            while not stop:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                batch: list[list[Op]] = []
+                events: list[threading.Event] = []
+                while self._control:
+                    item = self._control.popleft()
+                    if item is _SENTINEL:
+                        stop = True
+                    elif isinstance(item, threading.Event):
+                        # everything queued before the flush request must be committed with it
+                        batch.extend(self._drain())
+                        events.append(item)
+                    else:
+                        batch.append(item)
+                batch.extend(self._drain())
+                if batch:
+                    self._commit(conn, batch)
+                for ev in events:
+                    ev.set()
+        finally:
+            batch = self._drain()
+            while self._control:
+                item = self._control.popleft()
+                if isinstance(item, threading.Event):
+                    item.set()
+                elif item is not _SENTINEL:
+                    batch.append(item)
+            if batch:
+                self._commit(conn, batch)
+            conn.close()
+
+    def _drain(self) -> list[list[Op]]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[list[Op]]) -> None:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for ops in batch:
+                for sql, rows in ops:
+                    conn.executemany(sql, rows)
+            conn.execute("COMMIT")
+            self.written += len(batch)
+        except sqlite3.Error as exc:
+            self.write_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+
+def snapshot(store_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """A consistent single-file copy of a store (SQLite backup API, journal_mode=DELETE)."""
+    src_path, dest = Path(store_path), Path(dest)
+    if dest.exists() and dest.is_dir():
+        raise ValueError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".partial")
+    if tmp.exists():
+        tmp.unlink()
+    src = sqlite3.connect(f"file:{src_path}?mode=ro", uri=True, timeout=30)
+    dst = sqlite3.connect(str(tmp))
+    try:
+        src.backup(dst)
+        dst.execute("PRAGMA journal_mode=DELETE")
+        dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('snapshot_of', ?), ('snapshot_at', ?)",
+                    (json.dumps(str(src_path)), json.dumps(time.time())))
+        dst.commit()
+    finally:
+        dst.close()
+        src.close()
+    os.replace(tmp, dest)
+    return dest
+
+
+def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str]) -> str:
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}")
+    cols = list(columns)
+    keys = set(key)
+    updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in keys)
+    placeholders = ", ".join("?" for _ in cols)
+    conflict = f"ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}" if updates else \
+        f"ON CONFLICT({', '.join(key)}) DO NOTHING"
+    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({placeholders}) {conflict}"

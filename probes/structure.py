@@ -1,0 +1,394 @@
+"""Static view of a model: the registered tree plus everything reachable but unregistered.
+
+Pure functions over the model object: no hooks, no forward pass, no tensor values read
+(so lazy, parametrized, pruned and meta-device models are fine).
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import enum
+import sys
+import types
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+# Attributes every nn.Module carries for its own bookkeeping: never user data.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {
+    "_compiled_call_impl", "call_super_init", "dump_patches", "_version",
+}
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice, enum.Enum,
+          torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.CodeType, types.FrameType, types.GeneratorType, types.CoroutineType,
+           property, classmethod, staticmethod)
+_SKIP_PACKAGES = ("torch", "numpy", "logging", "threading", "multiprocessing", "concurrent",
+                  "asyncio", "io", "_io", "socket", "ssl", "sqlite3", "queue", "weakref", "abc",
+                  "builtins", "re", "functools", "typing", "pathlib", "tokenizers", "probes")
+MAX_WALK_NODES = 200_000
+MAX_WALK_DEPTH = 24
+
+# Modules whose computation depends on .training.
+_MODE_SENSITIVE = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm,
+                   nn.modules.instancenorm._InstanceNorm, nn.RNNBase)
+_SATURATING = {"Tanh": "tanh", "Hardtanh": "tanh", "Softsign": "tanh",
+               "Sigmoid": "sigmoid", "Hardsigmoid": "sigmoid", "LogSigmoid": None}
+
+
+def is_mode_sensitive(module: nn.Module) -> bool:
+    if isinstance(module, nn.RNNBase):
+        return bool(getattr(module, "dropout", 0.0))
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return bool(getattr(module, "track_running_stats", False))
+    if isinstance(module, _MODE_SENSITIVE):
+        return True
+    return False
+
+
+def saturation_kind(module: nn.Module) -> str | None:
+    """'tanh' (tails |x| > 0.99), 'sigmoid' (x < 0.01 or x > 0.99) or None."""
+    return _SATURATING.get(type(module).__name__)
+
+
+def unit_dim(module: nn.Module, ndim: int) -> int:
+    """Dimension holding the units: channels (dim 1) for conv-like outputs, else the last."""
+    if ndim <= 2:
+        return ndim - 1 if ndim > 0 else 0
+    if ndim >= 4:
+        return 1
+    conv_like = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm,
+                 nn.modules.instancenorm._InstanceNorm, nn.modules.pooling._MaxPoolNd,
+                 nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+                 nn.modules.pooling._AdaptiveMaxPoolNd, nn.GroupNorm)
+    return 1 if isinstance(module, conv_like) else ndim - 1
+
+
+def is_uninitialized(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+
+
+def tensor_shape(t: torch.Tensor) -> list[int] | None:
+    return None if is_uninitialized(t) else list(t.shape)
+
+
+def tensor_numel(t: torch.Tensor) -> int:
+    return 0 if is_uninitialized(t) else int(t.numel())
+
+
+@dataclasses.dataclass
+class ModuleNode:
+    module_id: int
+    path: str
+    parent_id: int | None
+    name: str
+    type: str
+    type_module: str
+    kind: str                      # 'registered' | 'unregistered' | 'runtime'
+    depth: int
+    module: nn.Module | None       # dropped (set None) when the watcher closes
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    n_children: int = 0
+    params_total: int = 0
+    params_trainable: int = 0
+    params_in_optimizer: int = 0
+    top_level_unregistered: bool = False
+
+
+@dataclasses.dataclass
+class TensorNode:
+    param_id: int
+    path: str
+    module_id: int | None
+    name: str
+    kind: str                      # 'parameter' | 'buffer' | 'tensor'
+    registered: bool
+    is_parameter: bool
+    in_state_dict: bool
+    requires_grad: bool
+    shape: list[int] | None
+    numel: int
+    dtype: str
+    device: str
+    tensor: torch.Tensor | None
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    opt_index: int | None = None
+    opt_group: int | None = None
+    lr: float | None = None
+
+    @property
+    def in_optimizer(self) -> bool:
+        return self.opt_index is not None
+
+    @property
+    def trainable(self) -> bool:
+        """A tensor autograd can train: a Parameter or requires_grad, never a buffer."""
+        return self.kind != "buffer" and (self.requires_grad or self.is_parameter)
+
+
+@dataclasses.dataclass
+class StaleTensor:
+    opt_index: int
+    group: int
+    index: int
+    shape: list[int] | None
+    numel: int
+    looks_like: str | None          # a registered parameter of the same shape that is not in the optimizer
+
+
+@dataclasses.dataclass
+class ModelStructure:
+    modules: list[ModuleNode]
+    tensors: list[TensorNode]
+    stale: list[StaleTensor]
+    walk_truncated: bool
+    n_optimizers: int
+
+    def by_path(self) -> dict[str, ModuleNode]:
+        return {m.path: m for m in self.modules}
+
+
+def normalize_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """None, one optimizer, or a list/tuple of them (GAN) -> list. Raises on anything else."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for i, opt in enumerate(items):
+        if not isinstance(opt, torch.optim.Optimizer):
+            where = f"optimizer[{i}]" if isinstance(optimizer, (list, tuple)) else "optimizer"
+            raise TypeError(f"{where} must be a torch.optim.Optimizer (or a list of them), "
+                            f"got {type(opt).__module__}.{type(opt).__qualname__}: {opt!r:.80}")
+    return items
+
+
+def _child_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+_CONTAINERS = (list, tuple, collections.deque, collections.abc.Mapping, set, frozenset)
+
+
+def _should_descend(obj: Any) -> bool:
+    if isinstance(obj, _ATOMS) or isinstance(obj, _OPAQUE):
+        return False
+    if isinstance(obj, _CONTAINERS) or isinstance(obj, types.SimpleNamespace):
+        return True
+    mod = type(obj).__module__ or ""
+    top = mod.split(".", 1)[0]
+    if top in _SKIP_PACKAGES or mod in sys.stdlib_module_names and mod not in ("collections", "types"):
+        return False
+    return True
+
+
+class _Builder:
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.optimizers = optimizers
+        self.modules: list[ModuleNode] = []
+        self.tensors: list[TensorNode] = []
+        self.module_by_id: dict[int, ModuleNode] = {}
+        self.tensor_by_id: dict[int, TensorNode] = {}
+        self.walk_nodes = 0
+        self.truncated = False
+
+    # -- registered -------------------------------------------------------------------------
+    def add_module(self, module: nn.Module, path: str, parent: ModuleNode | None, name: str,
+                   kind: str) -> ModuleNode:
+        cls = type(module)
+        node = ModuleNode(module_id=len(self.modules), path=path,
+                          parent_id=parent.module_id if parent else None, name=name,
+                          type=cls.__name__, type_module=cls.__module__, kind=kind,
+                          depth=(parent.depth + 1) if parent else 0, module=module)
+        self.modules.append(node)
+        self.module_by_id[id(module)] = node
+        if parent is not None:
+            parent.n_children += 1
+        return node
+
+    def add_tensor(self, t: torch.Tensor, path: str, owner: ModuleNode | None, name: str, kind: str,
+                   registered: bool, in_state_dict: bool) -> TensorNode:
+        node = TensorNode(
+            param_id=len(self.tensors), path=path, module_id=owner.module_id if owner else None,
+            name=name, kind=kind, registered=registered, is_parameter=isinstance(t, nn.Parameter),
+            in_state_dict=in_state_dict, requires_grad=bool(t.requires_grad), shape=tensor_shape(t),
+            numel=tensor_numel(t), dtype=str(t.dtype).replace("torch.", ""), device=str(t.device),
+            tensor=t)
+        self.tensors.append(node)
+        self.tensor_by_id[id(t)] = node
+        return node
+
+    def registered(self) -> None:
+        path_to_node: dict[str, ModuleNode] = {}
+        for path, module in self.model.named_modules(remove_duplicate=False):
+            known = self.module_by_id.get(id(module))
+            if known is not None:            # the same module under a second name (aliasing)
+                if path != known.path:
+                    known.aliases.append(path)
+                path_to_node[path] = known
+                continue
+            parent_path, _, name = path.rpartition(".")
+            parent = path_to_node.get(parent_path) if path else None
+            node = self.add_module(module, path, parent, name if path else "", "registered")
+            path_to_node[path] = node
+        for path, p in self.model.named_parameters(remove_duplicate=False):
+            self._registered_tensor(p, path, path_to_node, "parameter", True)
+        for path, b in self.model.named_buffers(remove_duplicate=False):
+            mod_path, _, name = path.rpartition(".")
+            owner = path_to_node.get(mod_path)
+            persistent = owner is None or name not in getattr(owner.module, "_non_persistent_buffers_set", ())
+            self._registered_tensor(b, path, path_to_node, "buffer", persistent)
+
+    def _registered_tensor(self, t, path, path_to_node, kind, in_state_dict) -> None:
+        known = self.tensor_by_id.get(id(t))
+        if known is not None:
+            known.aliases.append(path)
+            return
+        mod_path, _, name = path.rpartition(".")
+        self.add_tensor(t, path, path_to_node.get(mod_path), name, kind, True, in_state_dict)
+
+    # -- unregistered -----------------------------------------------------------------------
+    def unregistered(self) -> None:
+        seen: set[int] = set()
+        for node in list(self.modules):       # registered modules, in tree order
+            self._walk_module_attrs(node, seen)
+
+    def _walk_module_attrs(self, node: ModuleNode, seen: set[int]) -> None:
+        module = node.module
+        attrs = vars(module)
+        registered_params = module._parameters
+        for name, value in list(attrs.items()):
+            if name in _MODULE_INTERNALS or name.startswith("__"):
+                continue
+            if isinstance(value, torch.Tensor) and f"{name}_orig" in registered_params:
+                continue        # torch.nn.utils.prune recomputes `name` from name_orig * mask
+            self._visit(value, _child_path(node.path, name), node, seen, 0)
+
+    def _visit(self, obj: Any, path: str, owner: ModuleNode, seen: set[int], depth: int) -> None:
+        if self.walk_nodes >= MAX_WALK_NODES or depth > MAX_WALK_DEPTH:
+            self.truncated = True
+            return
+        self.walk_nodes += 1
+        if isinstance(obj, nn.Module):
+            if id(obj) in self.module_by_id:
+                return
+            self._add_unregistered_module(obj, path, owner, seen)
+            return
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in self.tensor_by_id or obj.grad_fn is not None:
+                return      # registered elsewhere, or a computed (non-leaf) value, not state
+            name = path.rsplit(".", 1)[-1]
+            self.add_tensor(obj, path, owner, name, "tensor", False, False)
+            return
+        if not _should_descend(obj) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple, collections.deque)):
+            for i, item in enumerate(obj):
+                self._visit(item, f"{path}[{i}]", owner, seen, depth + 1)
+        elif isinstance(obj, collections.abc.Mapping):
+            for i, (key, item) in enumerate(list(obj.items())):
+                label = repr(key) if isinstance(key, (str, int)) else str(i)
+                self._visit(item, f"{path}[{label}]", owner, seen, depth + 1)
+        elif isinstance(obj, (set, frozenset)):
+            for i, item in enumerate(obj):
+                self._visit(item, f"{path}{{{i}}}", owner, seen, depth + 1)
+        else:
+            fields: Iterable[tuple[str, Any]] = ()
+            try:
+                if hasattr(obj, "__dict__"):
+                    fields = list(vars(obj).items())
+                elif hasattr(type(obj), "__slots__"):
+                    slots = [s for k in type(obj).__mro__ for s in getattr(k, "__slots__", ())]
+                    fields = [(s, getattr(obj, s)) for s in slots if hasattr(obj, s)]
+            except Exception:        # exotic objects (proxies) whose attributes raise
+                fields = ()
+            for key, item in fields:
+                if not key.startswith("__"):
+                    self._visit(item, f"{path}.{key}", owner, seen, depth + 1)
+
+    def _add_unregistered_module(self, module: nn.Module, path: str, owner: ModuleNode,
+                                 seen: set[int]) -> None:
+        name = path[len(owner.path) + 1:] if owner.path else path
+        top = self.add_module(module, path, owner, name, "unregistered")
+        top.top_level_unregistered = True
+        sub_nodes = {"": top}
+        for sub_path, sub in module.named_modules():
+            if not sub_path:
+                continue
+            if id(sub) in self.module_by_id:
+                continue
+            parent_path, _, sub_name = sub_path.rpartition(".")
+            parent = sub_nodes.get(parent_path, top)
+            sub_nodes[sub_path] = self.add_module(sub, f"{path}.{sub_path}", parent, sub_name,
+                                                  "unregistered")
+        for sub_path, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if id(p) in self.tensor_by_id:
+                continue
+            mod_path, _, tname = sub_path.rpartition(".")
+            owner_node = sub_nodes.get(mod_path, top)
+            self.add_tensor(p, f"{path}.{sub_path}", owner_node, tname, "tensor", False, False)
+        for node in sub_nodes.values():
+            self._walk_module_attrs(node, seen)
+
+    # -- optimizers -------------------------------------------------------------------------
+    def optimizers_membership(self) -> list[StaleTensor]:
+        stale: list[StaleTensor] = []
+        for oi, opt in enumerate(self.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                lr = group.get("lr")
+                try:
+                    lr = float(lr) if lr is not None else None
+                except (TypeError, ValueError):
+                    lr = None
+                for pi, p in enumerate(group.get("params", ())):
+                    node = self.tensor_by_id.get(id(p))
+                    if node is None:
+                        stale.append(StaleTensor(oi, gi, pi, tensor_shape(p), tensor_numel(p), None))
+                    elif node.opt_index is None:
+                        node.opt_index, node.opt_group, node.lr = oi, gi, lr
+        if stale:
+            for s in stale:
+                for t in self.tensors:
+                    if (t.kind == "parameter" and t.requires_grad and not t.in_optimizer
+                            and t.shape == s.shape):
+                        s.looks_like = t.path
+                        break
+        return stale
+
+    # -- counts -----------------------------------------------------------------------------
+    def counts(self) -> None:
+        for t in self.tensors:
+            if t.module_id is None or not t.trainable and not (t.kind == "parameter"):
+                continue
+            node = self.modules[t.module_id]
+            node.params_total += t.numel
+            if t.requires_grad:
+                node.params_trainable += t.numel
+            if t.in_optimizer:
+                node.params_in_optimizer += t.numel
+        for node in reversed(self.modules):         # children always come after their parent
+            if node.parent_id is not None:
+                parent = self.modules[node.parent_id]
+                parent.params_total += node.params_total
+                parent.params_trainable += node.params_trainable
+                parent.params_in_optimizer += node.params_in_optimizer
+
+
+def build_structure(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> ModelStructure:
+    b = _Builder(model, optimizers)
+    b.registered()
+    b.unregistered()
+    stale = b.optimizers_membership()
+    b.counts()
+    return ModelStructure(modules=b.modules, tensors=b.tensors, stale=stale,
+                          walk_truncated=b.truncated, n_optimizers=len(optimizers))
+
+
+def subtree_has_state_or_modes(module: nn.Module) -> bool:
+    """True when a module matters to the optimizer/state_dict/.to()/eval()."""
+    for m in module.modules():
+        if m._parameters or m._buffers or is_mode_sensitive(m):
+            return True
+    return False
