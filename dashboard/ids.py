@@ -1,0 +1,76 @@
+"""Every component id of the dashboard, in one place.
+
+Pattern-matching ids are dicts built by the helpers at the bottom.
+"""
+
+# shell
+URL = "url"
+HEADER = "header"
+NAV = "nav"
+PAGE = "page"
+BANNER = "banner"
+INTERVAL = "poll-interval"
+TICK = "tick"                  # {"ready", "step", "stats_step", "struct", "n"} - changes when the store changes
+SELECTED = "selected-module"   # {"rank", "module_id"}
+EXPANDED = "expanded-nodes"    # list of module ids
+RANK = "rank-select"
+RUN_STATUS = "run-status"
+
+# export
+EXPORT_SNAPSHOT_BTN = "export-snapshot-btn"
+EXPORT_REPORT_BTN = "export-report-btn"
+DOWNLOAD_SNAPSHOT = "download-snapshot"
+DOWNLOAD_REPORT = "download-report"
+
+# overview page
+OV_CARDS = "ov-cards"
+OV_LOSS = "ov-loss"
+OV_LOSS_STATE = "ov-loss-state"
+OV_SEVERITY = "ov-severity"
+OV_TOP_FINDINGS = "ov-top-findings"
+OV_ERRORS = "ov-probe-errors"
+
+# modules page (tree + detail)
+TREE = "tree"
+TREE_SEARCH = "tree-search"
+TREE_FILTER = "tree-filter"
+TREE_INFO = "tree-info"
+TREE_STATE = "tree-state"
+DETAIL = "detail"
+DETAIL_HEADER = "detail-header"
+DETAIL_FINDINGS = "detail-findings"
+DETAIL_ACT = "detail-activation"
+DETAIL_FRAC = "detail-fractions"
+DETAIL_GRAD = "detail-grad"
+DETAIL_HEAT = "detail-heat"
+DETAIL_PARAMS = "detail-params"
+DETAIL_STATE = "detail-state"  # {"module_id", "last"} for incremental updates
+
+# findings page
+FINDINGS_LIST = "findings-list"
+FINDINGS_SEVERITY = "findings-severity"
+FINDINGS_SHOW_RESOLVED = "findings-show-resolved"
+
+# compare page
+CMP_SUMMARY = "cmp-summary"
+CMP_FINDINGS = "cmp-findings"
+CMP_KEYS = "cmp-keys"
+CMP_MODULES = "cmp-modules"
+CMP_CHANGED_ONLY = "cmp-changed-only"
+
+# pattern-matching types
+TREE_TOGGLE = "tree-toggle"
+TREE_NODE = "tree-node"
+FINDING_ITEM = "finding-item"
+
+
+def tree_toggle(module_id: int) -> dict:
+    return {"type": TREE_TOGGLE, "id": module_id}
+
+
+def tree_node(module_id: int) -> dict:
+    return {"type": TREE_NODE, "id": module_id}
+
+
+def finding_item(module_id: int, index: int) -> dict:
+    return {"type": FINDING_ITEM, "id": module_id, "i": index}

@@ -1,0 +1,147 @@
+"""Compare: two runs or snapshots side by side - the "before / after the fix" table.
+
+Summary (module and parameter counts, checkpoint keys, findings), findings that
+appeared or were resolved, checkpoint keys added or removed, and per-module statistics
+then (a) and now (b), matched by normalised path (``blocks[0]`` ~ ``blocks.0``)."""
+
+from __future__ import annotations
+
+from dash import Input, Output, dcc, html
+from dash.exceptions import PreventUpdate
+
+from .. import figures, ids
+from ..components import badge, kind_badge, message, severity_pill, table
+from ..data import StoreError, StoreNotReady, compare_stores
+
+MAX_ROWS = 500
+MAX_KEYS_SHOWN = 300
+
+
+def layout(config) -> html.Div:
+    if config.mode != "compare":
+        return html.Div(message("Start with  python app.py --compare A B  to compare two runs or snapshots."),
+                        className="panel")
+    a, b = config.labels
+    return html.Div([
+        html.Div(id=ids.CMP_SUMMARY, className="panel"),
+        html.Div([html.Div(id=ids.CMP_FINDINGS, className="panel grow"),
+                  html.Div(id=ids.CMP_KEYS, className="panel grow")], className="row"),
+        html.Div([
+            html.Div([html.H3(f"Modules: {a} → {b}"),
+                      dcc.Checklist(id=ids.CMP_CHANGED_ONLY, options=[{"label": "changed only", "value": "yes"}],
+                                    value=["yes"], inline=True)], className="panel-head"),
+            html.Div(id=ids.CMP_MODULES),
+        ], className="panel"),
+    ], className="compare")
+
+
+def _val(v):
+    if isinstance(v, float):
+        return figures.fmt_num(v)
+    return v
+
+
+def summary_table(cmp: dict, labels) -> html.Div:
+    rows = []
+    for r in cmp["summary"]:
+        rows.append([r["metric"], html.Td(figures.fmt_num(r["a"]) if not isinstance(r["a"], str) else r["a"],
+                                          className="num"),
+                     html.Td(figures.fmt_num(r["b"]) if not isinstance(r["b"], str) else r["b"],
+                             className="num" + (" changed" if r["changed"] else ""))])
+    return html.Div([
+        html.H3("Summary"),
+        html.Div([html.Div([html.B(f"{labels[0]}: "), html.Span(cmp["a"]["path"], className="mono")]),
+                  html.Div([html.B(f"{labels[1]}: "), html.Span(cmp["b"]["path"], className="mono")])],
+                 className="cmp-paths"),
+        table(["", labels[0], labels[1]], rows, "cmp-summary-table"),
+    ])
+
+
+def findings_block(cmp: dict, labels) -> list:
+    def items(fs, cls):
+        if not fs:
+            return [message("none")]
+        return [html.Div([severity_pill(f["severity"], f["code"]), html.Span(f["path"] or "(root)",
+                                                                             className="mono path")],
+                         className=f"cmp-finding {cls}") for f in fs[:MAX_ROWS]]
+    return [
+        html.H3("Findings"),
+        html.H4(f"Resolved in {labels[1]} ({len(cmp['findings_resolved'])})", className="good"),
+        html.Div(items(cmp["findings_resolved"], "resolved"), id="cmp-resolved"),
+        html.H4(f"Appeared in {labels[1]} ({len(cmp['findings_appeared'])})", className="bad"),
+        html.Div(items(cmp["findings_appeared"], "appeared"), id="cmp-appeared"),
+        html.H4(f"Still present ({len(cmp['findings_persisting'])})"),
+        html.Div(items(cmp["findings_persisting"], "persisting")),
+    ]
+
+
+def keys_block(cmp: dict, labels) -> list:
+    def keylist(keys, sign, cls):
+        if not keys:
+            return [message("none")]
+        shown = [html.Div(f"{sign} {k}", className=f"mono key {cls}") for k in keys[:MAX_KEYS_SHOWN]]
+        if len(keys) > MAX_KEYS_SHOWN:
+            shown.append(message(f"… {len(keys) - MAX_KEYS_SHOWN:,} more"))
+        return shown
+    return [
+        html.H3("Checkpoint keys (state_dict)"),
+        html.Div(f"{cmp['keys_common']:,} keys in both", className="muted"),
+        html.H4(f"Added in {labels[1]} ({len(cmp['keys_added'])})", className="good"),
+        html.Div(keylist(cmp["keys_added"], "+", "added"), id="cmp-keys-added"),
+        html.H4(f"Removed in {labels[1]} ({len(cmp['keys_removed'])})", className="bad"),
+        html.Div(keylist(cmp["keys_removed"], "−", "removed"), id="cmp-keys-removed"),
+    ]
+
+
+def _kind(k):
+    return "–" if k is None else (kind_badge(k) or "registered")
+
+
+def _codes(codes):
+    return [badge(c, "error") for c in codes] if codes else "–"
+
+
+def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
+    mods = [m for m in cmp["modules"] if m["changed"] or not changed_only]
+    a, b = labels
+    rows = []
+    for m in mods[:MAX_ROWS]:
+        path = m["path_b"] if m["path_b"] is not None else m["path_a"]
+        moved = m["path_a"] is not None and m["path_b"] is not None and m["path_a"] != m["path_b"]
+        rows.append([
+            html.Td([html.Span(path or "(root)", className="mono"),
+                     html.Div(f"was {m['path_a']}", className="muted mono") if moved else None,
+                     html.Div(f"only in {a}" if m["path_b"] is None else f"only in {b}", className="muted")
+                     if m["path_a"] is None or m["path_b"] is None else None]),
+            m["type"], html.Td(_kind(m["kind_a"])), html.Td(_kind(m["kind_b"])),
+            m["params_a"], m["params_b"], m["in_opt_a"], m["in_opt_b"],
+            m["mean_a"], m["mean_b"], m["std_a"], m["std_b"], m["dead_frac_a"], m["dead_frac_b"],
+            html.Td(_codes(m["codes_a"])), html.Td(_codes(m["codes_b"])),
+        ])
+    note = None
+    if len(mods) > MAX_ROWS:
+        note = message(f"first {MAX_ROWS} of {len(mods):,} rows shown")
+    if not rows:
+        return html.Div(message("No module changed." if changed_only else "No modules."))
+    return html.Div([table(["module", "type", f"kind {a}", f"kind {b}", f"params {a}", f"params {b}",
+                            f"in optimizer {a}", f"in optimizer {b}", f"mean {a}", f"mean {b}", f"std {a}",
+                            f"std {b}", f"dead {a}", f"dead {b}", f"findings {a}", f"findings {b}"],
+                           rows, "cmp-modules-table"), note], className="table-scroll")
+
+
+def register(app, config) -> None:
+    if config.mode != "compare":
+        return
+
+    @app.callback(Output(ids.CMP_SUMMARY, "children"), Output(ids.CMP_FINDINGS, "children"),
+                  Output(ids.CMP_KEYS, "children"), Output(ids.CMP_MODULES, "children"),
+                  Input(ids.CMP_CHANGED_ONLY, "value"))
+    def render(changed_only):
+        try:
+            cmp = compare_stores(config.store, config.store_b)
+        except StoreNotReady as exc:
+            return message(str(exc), "wait"), None, None, None
+        except StoreError as exc:
+            return message(str(exc), "bad"), None, None, None
+        return (summary_table(cmp, config.labels), findings_block(cmp, config.labels),
+                keys_block(cmp, config.labels), modules_table(cmp, bool(changed_only), config.labels))

@@ -1,0 +1,90 @@
+"""Findings: every finding sorted by severity, with message, evidence and fix.
+Clicking one selects its module and opens the Modules page."""
+
+from __future__ import annotations
+
+from dash import ALL, Input, Output, State, ctx, dcc, html
+from dash.exceptions import PreventUpdate
+
+from .. import ids
+from ..components import evidence_block, message, severity_pill
+from ..data import SEVERITIES, StoreError, StoreNotReady
+from .modules import select_module
+
+
+def layout(config) -> html.Div:
+    return html.Div([
+        html.Div([
+            dcc.Checklist(id=ids.FINDINGS_SEVERITY, options=[{"label": s, "value": s} for s in SEVERITIES],
+                          value=list(SEVERITIES), inline=True, className="sev-check"),
+            dcc.Checklist(id=ids.FINDINGS_SHOW_RESOLVED, options=[{"label": "show resolved", "value": "yes"}],
+                          value=[], inline=True),
+        ], className="findings-tools"),
+        html.Div(id=ids.FINDINGS_LIST, className="findings-list"),
+    ], className="panel findings-page")
+
+
+def finding_list(items: list[dict], severities: list[str]) -> list:
+    shown = [f for f in items if f["severity"] in severities or f["severity"] not in SEVERITIES]
+    if not shown:
+        return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
+    out = []
+    for i, f in enumerate(shown):
+        mid = f["module_id"] if f["module_id"] is not None else -1
+        out.append(html.Div([
+            html.Div([severity_pill(f["severity"], f["code"]),
+                      html.Span(f["path"] or "(root)", className="mono path"),
+                      html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
+                      html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
+                      if f.get("first_step") is not None else None], className="finding-head"),
+            html.Div(f["message"], className="finding-message"),
+            html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
+            evidence_block(f.get("evidence")),
+        ], id=ids.finding_item(mid, i), n_clicks=0, title="click to show this module",
+            className=f"finding clickable sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")))
+    return out
+
+
+def register(app, config) -> None:
+    if config.mode == "compare":
+        return
+    store = config.store
+
+    @app.callback(Output(ids.FINDINGS_LIST, "children"), Input(ids.TICK, "data"),
+                  Input(ids.FINDINGS_SEVERITY, "value"), Input(ids.FINDINGS_SHOW_RESOLVED, "value"),
+                  Input(ids.RANK, "value"))
+    def render(tick, severities, resolved, rank):
+        if not tick or not tick.get("ready"):
+            return [message(f"Waiting for the first sample in {store.path} …", "wait")]
+        try:
+            items = store.findings(rank or 0, active=None if resolved else True)
+            for f in items:
+                if f["module_id"] is None:
+                    m = store.module_for_path(rank or 0, f["path"])
+                    f["module_id"] = m["module_id"] if m else None
+        except StoreNotReady:
+            raise PreventUpdate
+        except StoreError as exc:
+            return [message(str(exc), "bad")]
+        return finding_list(items, severities or [])
+
+    @app.callback(Output(ids.SELECTED, "data", allow_duplicate=True),
+                  Output(ids.EXPANDED, "data", allow_duplicate=True),
+                  Output(ids.URL, "pathname"),
+                  Input({"type": ids.FINDING_ITEM, "id": ALL, "i": ALL}, "n_clicks"),
+                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
+    def open_module(clicks, expanded, rank):
+        trig = ctx.triggered_id
+        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
+            raise PreventUpdate
+        mid = trig["id"]
+        if mid is None or mid < 0:
+            raise PreventUpdate
+
+        def default(r):
+            try:
+                return store.default_expanded(r)
+            except StoreError:
+                return []
+        sel, exp = select_module(store, rank or 0, mid, expanded, default)
+        return sel, exp, "/modules"

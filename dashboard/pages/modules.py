@@ -1,0 +1,336 @@
+"""Modules: the lazily expanded module tree (left) and the selected module's detail (right).
+
+Only the children of expanded nodes are queried and rendered, so a 10,000-module model
+costs what is on screen. Search (name or type) and the finding filter show a flat,
+capped result list instead of the tree.
+"""
+
+from __future__ import annotations
+
+
+from dash import ALL, Input, Output, Patch, State, ctx, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+
+from .. import figures, ids
+from ..components import (badge, code_label, evidence_block, finding_badges, kind_badge, message,
+                          params_text, severity_pill, subtree_pill, table)
+from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
+
+MAX_VISIBLE_ROWS = 2000
+GRAPH_CONFIG = {"displaylogo": False}
+SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
+SERIES_KEYS = {ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
+               ids.DETAIL_GRAD: ("out_grad_norm",)}
+
+
+def layout(config) -> html.Div:
+    return html.Div([
+        html.Div([
+            html.Div([
+                dcc.Input(id=ids.TREE_SEARCH, type="search", placeholder="Search name or type…",
+                          debounce=0.3, className="search", autoComplete="off"),
+                dcc.Dropdown(id=ids.TREE_FILTER, placeholder="Filter by finding", clearable=True,
+                             className="filter", style={"width": "45%", "minWidth": "180px"}),
+            ], className="tree-tools"),
+            html.Div(id=ids.TREE_INFO, className="tree-info"),
+            html.Div(id=ids.TREE, className="tree"),
+            dcc.Store(id=ids.TREE_STATE, data=None),
+        ], className="panel tree-panel"),
+        html.Div([
+            html.Div(id=ids.DETAIL_HEADER, className="detail-header",
+                     children=message("Select a module in the tree.")),
+            html.Div(id=ids.DETAIL_FINDINGS),
+            html.Div([
+                *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
+                            style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
+                  for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
+            ], id=ids.DETAIL, className="charts", style={"display": "none"}),
+            html.Div(id=ids.DETAIL_PARAMS),
+            dcc.Store(id=ids.DETAIL_STATE, data=None),
+        ], className="panel detail-panel"),
+    ], className="modules")
+
+
+# -- tree rendering (pure given the data) ----------------------------------------------------------
+def tree_row(m: dict, *, expanded: bool, selected: bool, badges: list, inside: dict | None,
+             show_path: bool = False) -> html.Div:
+    has_children = m["n_children"] > 0
+    toggle = (html.Span("▾" if expanded else "▸", id=ids.tree_toggle(m["module_id"]), n_clicks=0,
+                        className="tree-toggle", title="collapse" if expanded else "expand")
+              if has_children and not show_path else html.Span(className="tree-toggle-space"))
+    label = (m["path"] or "(root)") if show_path else (m["name"] or m["type"])
+    cls = f"tree-row kind-{m['kind']}" + (" selected" if selected else "")
+    return html.Div([
+        toggle,
+        html.Span(label, id=ids.tree_node(m["module_id"]), n_clicks=0, className="tree-label mono",
+                  title=m["path"] or "(root)"),
+        html.Span(m["type"], className="tree-type") if m["path"] or show_path else None,
+        kind_badge(m["kind"]),
+        *badges,
+        subtree_pill(inside) if inside and not expanded and has_children else None,
+        html.Span(params_text(m), className="tree-params",
+                  title="parameters in the subtree: total · trainable · held by the optimizer"),
+    ], className=cls, style={"paddingLeft": f"{0.4 + (0 if show_path else m['depth']) * 1.1}rem"},
+        **{"data-path": m["path"], "data-kind": m["kind"]})
+
+
+def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> tuple[list, str]:
+    root = store.root(rank)
+    if root is None:
+        return [message("No modules recorded yet.")], ""
+    expanded_set = set(expanded)
+    inside = store.subtree_finding_counts(rank)
+    rows: list[tuple[dict, int]] = []   # (module, more-count marker)
+    stack = [root]
+    nodes: list[dict] = []
+    more_rows: dict[int, int] = {}
+    while stack and len(nodes) < MAX_VISIBLE_ROWS:
+        m = stack.pop()
+        nodes.append(m)
+        if m["module_id"] in expanded_set and m["n_children"]:
+            ch = store.children(rank, m["module_id"], MAX_CHILDREN)
+            if ch["more"]:
+                more_rows[m["module_id"]] = ch["more"]
+            stack.extend(reversed(ch["items"]))
+    own = store.findings_for_modules(rank, [m["module_id"] for m in nodes])
+    out = []
+    for m in nodes:
+        mid = m["module_id"]
+        out.append(tree_row(m, expanded=mid in expanded_set, selected=mid == selected,
+                            badges=finding_badges(own.get(mid, []), m["kind"]), inside=inside.get(mid)))
+    # "… N more" markers go after the last rendered child of a node: append at the end of its block.
+    if more_rows:
+        out.append(message("; ".join(f"{n:,} more children not shown under module {mid} "
+                                     "(use search)" for mid, n in more_rows.items())))
+    info = f"{len(nodes):,} nodes shown" + (" (limit reached, use search)" if stack else "")
+    return out, info
+
+
+def build_results(store, rank: int, text: str, code: str | None, selected: int | None) -> tuple[list, str]:
+    res = store.search_modules(rank, text, code, MAX_SEARCH)
+    items = res["items"]
+    own = store.findings_for_modules(rank, [m["module_id"] for m in items])
+    rows = [tree_row(m, expanded=False, selected=m["module_id"] == selected,
+                     badges=finding_badges(own.get(m["module_id"], []), m["kind"]), inside=None, show_path=True)
+            for m in items]
+    if not items:
+        return [message("No module matches.")], "0 matches"
+    info = (f"first {len(items)} matches shown, refine the search" if res["truncated"]
+            else f"{len(items)} match{'es' if len(items) != 1 else ''}")
+    return rows, info
+
+
+# -- detail rendering ---------------------------------------------------------------------------------
+def detail_header(m: dict, own: list[dict]) -> list:
+    return [
+        html.Div([html.H2(m["path"] or "(root)", className="mono"),
+                  html.Span(m["type"], className="detail-type", title=m.get("type_module") or ""),
+                  kind_badge(m["kind"]), *finding_badges(own, m["kind"])], className="detail-title"),
+        html.Div([
+            html.Span(f"{m['params_total']:,} parameters"),
+            html.Span(f"{m['params_trainable']:,} trainable"),
+            html.Span(f"{m['params_in_optimizer']:,} held by the optimizer",
+                      className="bad" if m["params_in_optimizer"] < m["params_trainable"] else ""),
+            html.Span(f"{m['n_children']:,} children"),
+            html.Span(f"first seen at step {m['first_step']}") if m.get("first_step") is not None else None,
+        ], className="detail-facts"),
+    ]
+
+
+def finding_cards(items: list[dict]) -> list:
+    out = []
+    for f in items:
+        out.append(html.Div([
+            html.Div([severity_pill(f["severity"], f["code"]),
+                      html.Span(f["path"] or "(root)", className="mono path"),
+                      html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
+                      html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
+                      if f.get("first_step") is not None else None], className="finding-head"),
+            html.Div(f["message"], className="finding-message"),
+            html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
+            evidence_block(f.get("evidence")),
+        ], className=f"finding sev-border-{f['severity']}"))
+    return out
+
+
+def _yn(v) -> str:
+    return "–" if v is None else ("yes" if v else "no")
+
+
+def params_table(params: list[dict]) -> html.Div:
+    if not params:
+        return message("This module owns no parameters or buffers.")
+    rows = []
+    for p in params:
+        opt = (f"yes (group {p['opt_group']}" + (f", lr {figures.fmt_num(p['lr'])}" if p["lr"] is not None else "")
+               + ")") if p["in_optimizer"] else "no"
+        bad_opt = p["requires_grad"] and not p["in_optimizer"] and p["kind"] != "buffer"
+        moved = {1: "yes", 0: "no", None: "–"}[p["moved"]]
+        rows.append([
+            html.Td(p["name"], className="mono", title=p["path"]),
+            html.Td(p["kind"] + ("" if p["in_state_dict"] else " · not in state_dict"),
+                    className="bad" if p["kind"] == "tensor" else ""),
+            html.Td("×".join(str(s) for s in p["shape"]) if isinstance(p["shape"], list) else "uninitialised",
+                    className="mono"),
+            _yn(p["requires_grad"]),
+            html.Td(opt, className="bad" if bad_opt else ""),
+            p["grad_norm"],
+            p["update_ratio"],
+            html.Td(moved, className="bad" if p["moved"] == 0 and p["requires_grad"] else ""),
+        ])
+    return html.Div([html.H3("Parameters"), table(
+        ["name", "kind", "shape", "requires_grad", "in optimizer", "grad norm", "update/data", "moved"],
+        rows, "params-table")], className="params")
+
+
+def register(app, config) -> None:
+    if config.mode == "compare":
+        return
+    store = config.store
+
+    def _default_expanded(rank):
+        try:
+            return store.default_expanded(rank)
+        except StoreError:
+            return []
+
+    @app.callback(Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"), Input(ids.RANK, "value"))
+    def filter_options(tick, rank):
+        if not tick or not tick.get("ready"):
+            return []
+        try:
+            codes = store.finding_codes(rank or 0)
+        except StoreError:
+            raise PreventUpdate
+        return [{"label": f"{code_label(c)} ({c})", "value": c} for c in codes]
+
+    @app.callback(Output(ids.TREE, "children"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
+                  Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"), Input(ids.TREE_FILTER, "value"),
+                  Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), Input(ids.RANK, "value"),
+                  State(ids.TREE_STATE, "data"))
+    def render_tree(expanded, text, code, selected, tick, rank, tree_state):
+        if not tick or not tick.get("ready"):
+            return [message(f"Waiting for the first sample in {store.path} …", "wait")], "", None
+        struct = [tick.get("struct"), rank]
+        if ctx.triggered_id == ids.TICK and isinstance(tree_state, dict) and tree_state.get("struct") == struct:
+            raise PreventUpdate  # a new step without new modules or findings: the tree is unchanged
+        rank = rank or 0
+        sel = selected.get("module_id") if isinstance(selected, dict) else None
+        try:
+            if (text or "").strip() or code:
+                rows, info = build_results(store, rank, text or "", code, sel)
+            else:
+                exp = expanded if isinstance(expanded, list) else _default_expanded(rank)
+                rows, info = build_tree(store, rank, exp, sel)
+        except StoreNotReady:
+            raise PreventUpdate
+        except StoreError as exc:
+            return [message(str(exc), "bad")], "", None
+        return rows, info, {"struct": struct}
+
+    @app.callback(Output(ids.EXPANDED, "data"),
+                  Input({"type": ids.TREE_TOGGLE, "id": ALL}, "n_clicks"),
+                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
+    def toggle(clicks, expanded, rank):
+        trig = ctx.triggered_id
+        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
+            raise PreventUpdate
+        exp = list(expanded) if isinstance(expanded, list) else _default_expanded(rank or 0)
+        mid = trig["id"]
+        if mid in exp:
+            exp.remove(mid)
+        else:
+            exp.append(mid)
+        return exp
+
+    @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data", allow_duplicate=True),
+                  Input({"type": ids.TREE_NODE, "id": ALL}, "n_clicks"),
+                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
+    def select(clicks, expanded, rank):
+        trig = ctx.triggered_id
+        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
+            raise PreventUpdate
+        return select_module(store, rank or 0, trig["id"], expanded, _default_expanded)
+
+    @app.callback(
+        Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
+        Output(ids.DETAIL, "style"),
+        Output(ids.DETAIL_ACT, "figure"), Output(ids.DETAIL_FRAC, "figure"), Output(ids.DETAIL_GRAD, "figure"),
+        Output(ids.DETAIL_HEAT, "figure"), Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
+        Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), State(ids.DETAIL_STATE, "data"))
+    def render_detail(selected, tick, state):
+        if not isinstance(selected, dict) or selected.get("module_id") is None or not tick or not tick.get("ready"):
+            raise PreventUpdate
+        rank, mid = selected.get("rank", 0), selected["module_id"]
+        try:
+            if (ctx.triggered_id == ids.TICK and isinstance(state, dict) and state.get("module_id") == mid
+                    and state.get("rank") == rank):
+                return _detail_increment(store, rank, mid, state)
+            return _detail_full(store, rank, mid)
+        except StoreNotReady:
+            raise PreventUpdate
+        except StoreError as exc:
+            return ([message(str(exc), "bad")], None, {"display": "none"}, no_update, no_update, no_update,
+                    no_update, None, None)
+
+
+def select_module(store, rank: int, module_id: int, expanded, default_expanded):
+    """Select a module and make sure the tree shows it (its ancestors expanded)."""
+    exp = list(expanded) if isinstance(expanded, list) else default_expanded(rank)
+    try:
+        anc = store.ancestors(rank, module_id)
+    except StoreError:
+        anc = []
+    changed = False
+    for a in anc:
+        if a not in exp:
+            exp.append(a)
+            changed = True
+    return {"rank": rank, "module_id": module_id}, (exp if changed or not isinstance(expanded, list)
+                                                     else no_update)
+
+
+def _detail_full(store, rank: int, mid: int):
+    m = store.module(rank, mid)
+    if m is None:
+        return ([message(f"Module {mid} is not in this store.", "bad")], None, {"display": "none"},
+                no_update, no_update, no_update, no_update, None, None)
+    own = store.findings_for_modules(rank, [mid]).get(mid, [])
+    items = store.findings(rank, active=None, module_id=mid)
+    series = store.module_series(rank, mid)
+    hist = store.module_hist(rank, mid)
+    params = store.module_params(rank, mid)
+    rev = f"{rank}-{mid}"
+    findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
+        if items else None
+    return (detail_header(m, own), findings_block, {},
+            figures.activation_figure(series, rev), figures.fractions_figure(series, rev),
+            figures.grad_figure(series, rev), figures.heatmap_figure(hist, rev), params_table(params),
+            {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
+             "heat_last": hist["step"][-1] if hist["step"] else None})
+
+
+def _detail_increment(store, rank: int, mid: int, state: dict):
+    if not state.get("has_data"):
+        return _detail_full(store, rank, mid)
+    new = store.module_series(rank, mid, since_step=state.get("last"))
+    if not new["step"]:
+        raise PreventUpdate
+    patches = []
+    for gid in SERIES_GRAPHS:
+        p = Patch()
+        for i, key in enumerate(SERIES_KEYS[gid]):
+            p["data"][i]["x"].extend(new["step"])
+            p["data"][i]["y"].extend(new[key])
+        patches.append(p)
+    if not any(v is not None for v in new["out_grad_norm"]):
+        patches[2] = no_update
+    heat = figures.heatmap_figure(store.module_hist(rank, mid), f"{rank}-{mid}")
+    params = params_table(store.module_params(rank, mid))
+    own = store.findings_for_modules(rank, [mid]).get(mid, [])
+    m = store.module(rank, mid)
+    items = store.findings(rank, active=None, module_id=mid)
+    findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
+        if items else None
+    return (detail_header(m, own) if m else no_update, findings_block, no_update, *patches, heat,
+            params, {**state, "last": new["last"]})

@@ -1,0 +1,184 @@
+"""The standalone HTML report: one self-contained file (CSS and plotly.js inlined, no CDN)
+with the overview, the module tree, the findings and the main charts.
+
+Every string from the store is passed through ``html.escape``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+from pathlib import Path
+
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from . import figures
+from .components import code_label
+from .data import SEVERITIES, Store
+
+MAX_TREE_NODES = 5000
+MAX_CHART_MODULES = 8
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def esc(x) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _fig_html(fig, div_id: str) -> str:
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _css() -> str:
+    parts = []
+    for name in ("modscope.css", "report.css"):
+        p = ASSETS / name
+        if p.exists():
+            parts.append(p.read_text(encoding="utf-8"))
+    return "\n".join(parts)
+
+
+def _badges(findings: list[dict]) -> str:
+    seen, out = set(), []
+    for f in findings:
+        if f["code"] in seen:
+            continue
+        seen.add(f["code"])
+        sev = f["severity"] if f["severity"] in SEVERITIES else "info"
+        out.append(f'<span class="badge sev-{sev}" title="{esc(f["code"])}">{esc(code_label(f["code"]))}</span>')
+    return "".join(out)
+
+
+def _tree_html(store: Store, rank: int) -> str:
+    mods = store.all_modules(rank, MAX_TREE_NODES)
+    if not mods:
+        return '<p class="muted">No modules recorded.</p>'
+    own = store.findings_for_modules(rank, [m["module_id"] for m in mods])
+    kids: dict = {}
+    roots = []
+    ids_present = {m["module_id"] for m in mods}
+    for m in mods:
+        if m["parent_id"] is None or m["parent_id"] not in ids_present:
+            roots.append(m)
+        else:
+            kids.setdefault(m["parent_id"], []).append(m)
+
+    def node(m, depth: int) -> str:
+        kind = "" if m["kind"] == "registered" else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>'
+        params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
+        label = f'<span class="tree-label mono">{esc(m["name"] or "(root)")}</span>' \
+                f'<span class="tree-type">{esc(m["type"])}</span>{kind}{_badges(own.get(m["module_id"], []))}{params}'
+        children = kids.get(m["module_id"], [])
+        if not children:
+            return f'<li class="leaf kind-{esc(m["kind"])}">{label}</li>'
+        inner = "".join(node(c, depth + 1) for c in children)
+        opened = " open" if depth < 2 else ""
+        return f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{label}</summary><ul>{inner}</ul></details></li>'
+
+    body = "".join(node(r, 0) for r in roots)
+    note = (f'<p class="muted">First {MAX_TREE_NODES:,} modules shown.</p>'
+            if len(mods) >= MAX_TREE_NODES else "")
+    return f'<ul class="report-tree">{body}</ul>{note}'
+
+
+def _findings_html(items: list[dict]) -> str:
+    if not items:
+        return '<p class="message ok">No active findings.</p>'
+    out = []
+    for f in items:
+        sev = f["severity"] if f["severity"] in SEVERITIES else "info"
+        ev = ""
+        if f.get("evidence"):
+            ev = ('<details><summary>evidence</summary><pre class="evidence">'
+                  + esc(json.dumps(f["evidence"], indent=2, sort_keys=True, default=str)) + "</pre></details>")
+        fix = f'<div class="finding-fix"><b>Fix: </b>{esc(f["fix"])}</div>' if f.get("fix") else ""
+        out.append(
+            f'<div class="finding sev-border-{sev}"><div class="finding-head">'
+            f'<span class="pill sev-{sev}">{esc(f["code"])}</span> '
+            f'<span class="mono path">{esc(f["path"] or "(root)")}</span></div>'
+            f'<div class="finding-message">{esc(f["message"])}</div>{fix}{ev}</div>')
+    return "".join(out)
+
+
+def _overview_html(ov: dict) -> str:
+    rows = [
+        ("Run", ov["run_name"]), ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
+        ("Step", ov.get("step")), ("Samples stored", ov.get("samples_stored")),
+        ("Samples dropped", ov.get("samples_dropped")), ("Probe errors", ov.get("probe_errors")),
+        ("Probe overhead", None if ov.get("overhead") is None else f"{ov['overhead'] * 100:.2f}%"),
+        ("Registered modules", ov["modules"]["registered"]),
+        ("Unregistered modules", ov["modules"]["unregistered"] + ov["modules"]["runtime"]),
+        ("Parameters", (ov.get("params") or {}).get("total")),
+        ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
+        ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", ov.get("path")),
+    ]
+    trs = "".join(f"<tr><th>{esc(k)}</th><td>{esc(figures.fmt_num(v) if not isinstance(v, str) else v)}</td></tr>"
+                  for k, v in rows)
+    sev = ov["findings"]
+    pills = "".join(f'<span class="pill sev-{s}">{sev[s]} {s}{"s" if sev[s] != 1 else ""}</span> '
+                    for s in SEVERITIES)
+    return f'<div class="report-overview"><table class="table kv">{trs}</table><div class="sev-row">{pills}</div></div>'
+
+
+def build_report(store: Store, rank: int = 0) -> str:
+    """Return the whole report as one HTML string."""
+    ov = store.overview(rank)
+    items = store.findings(rank, active=True)
+    charts = [_fig_html(figures.loss_figure(store.loss_series(rank)), "chart-loss")]
+    chart_mods = []
+    seen = set()
+    for f in items:
+        if f["module_id"] is not None and f["module_id"] not in seen:
+            seen.add(f["module_id"])
+            chart_mods.append(f["module_id"])
+    if len(chart_mods) < MAX_CHART_MODULES:
+        root = store.root(rank)
+        if root:
+            for m in store.children(rank, root["module_id"], MAX_CHART_MODULES)["items"]:
+                if m["module_id"] not in seen:
+                    chart_mods.append(m["module_id"])
+                    seen.add(m["module_id"])
+    module_sections = []
+    for i, mid in enumerate(chart_mods[:MAX_CHART_MODULES]):
+        m = store.module(rank, mid)
+        if m is None:
+            continue
+        series = store.module_series(rank, mid)
+        rev = f"r{i}"
+        module_sections.append(
+            f'<section class="report-module"><h3 class="mono">{esc(m["path"] or "(root)")} '
+            f'<span class="tree-type">{esc(m["type"])}</span></h3><div class="charts">'
+            + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
+            + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")
+            + _fig_html(figures.grad_figure(series, rev), f"chart-{i}-grad")
+            + _fig_html(figures.heatmap_figure(store.module_hist(rank, mid), rev), f"chart-{i}-heat")
+            + "</div></section>")
+    generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    title = f"modscope report: {ov['run_name']}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{esc(title)}</title>
+<style>{_css()}</style>
+<script type="text/javascript">{get_plotlyjs()}</script>
+</head><body class="report">
+<header class="header"><div class="brand"><span class="brand-a">mod</span><span class="brand-b">scope</span></div>
+<div class="subtitle"><span class="mode mode-review">report</span><span class="run-path">{esc(ov['path'])}</span>
+<span class="run-status">generated {esc(generated)}</span></div></header>
+<main class="page">
+<h1>{esc(title)}</h1>
+<section class="panel" id="overview"><h2>Overview</h2>{_overview_html(ov)}</section>
+<section class="panel" id="loss">{charts[0]}</section>
+<section class="panel" id="findings"><h2>Findings ({len(items)})</h2>{_findings_html(items)}</section>
+<section class="panel" id="tree"><h2>Module tree</h2>{_tree_html(store, rank)}</section>
+<section class="panel" id="modules"><h2>Module charts</h2>{''.join(module_sections)}</section>
+</main></body></html>
+"""
+
+
+def write_report(store: Store, out: str | Path, rank: int = 0) -> Path:
+    out = Path(out)
+    out.write_text(build_report(store, rank), encoding="utf-8")
+    return out

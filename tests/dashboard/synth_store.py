@@ -1,0 +1,231 @@
+"""Synthetic run stores for the dashboard tests (and bench/dashboard_scale.py).
+
+Written with the schema's DDL (``probes.schema``) so the tests exercise the real
+contract without torch. ``demo`` mirrors examples/demo_train.py: the seed's XOR
+classifier whose encoder keeps its three Linear blocks in a plain list (``fixed=True``
+is the ModuleList version). ``big`` makes a tree of any size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+from probes import schema
+
+HIST_EDGES = schema.HIST_EDGES
+HIST_BINS = schema.HIST_BINS
+
+
+def _hist(rng: random.Random, scale: float, relu: bool) -> list[int]:
+    counts = [0] * HIST_BINS
+    for _ in range(200):
+        v = rng.gauss(0.0, scale)
+        if relu and v < 0:
+            v = 0.0
+        i = 0
+        while i < len(HIST_EDGES) and v >= HIST_EDGES[i]:
+            i += 1
+        counts[i] += 1
+    return counts
+
+
+class SynthStore:
+    """A store being written like probes would write it: WAL mode, one commit per step."""
+
+    def __init__(self, path: Path, *, run_name: str = "synthetic", model_class: str = "Classifier",
+                 rank: int = 0, seed: int = 0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.rng = random.Random(seed)
+        self.conn = sqlite3.connect(str(self.path), check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.executescript(schema.DDL)
+        self.conn.execute(f"PRAGMA user_version={schema.SCHEMA_VERSION}")
+        now = time.time()
+        for k, v in {"schema_version": schema.SCHEMA_VERSION, "run_name": run_name,
+                     "hist_edges": HIST_EDGES, "created_at": now}.items():
+            self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v)))
+        self.conn.execute(
+            "INSERT OR REPLACE INTO ranks (rank, world_size, hostname, pid, model_class, torch_version, "
+            "python_version, device, sampling, started_at, updated_at, status, step, samples_written, "
+            "samples_dropped, probe_errors, overhead) VALUES (?, 1, 'host', 1, ?, '2.13.0', '3.11', 'cpu', "
+            "?, ?, ?, 'running', NULL, 0, 0, 0, 0.004)",
+            (rank, model_class, json.dumps({"every": 1, "overhead": None, "window": 20}), now, now))
+        self.conn.commit()
+        self.modules: list[dict] = []
+        self.params: list[dict] = []
+        self.step = -1
+        self.loss = 0.7
+        # A pool of histogram rows (drawing 200 samples per module per step is slow at 10k modules).
+        self._hists = {relu: [json.dumps(_hist(self.rng, 0.2 + 0.1 * i, relu)) for i in range(12)]
+                       for relu in (True, False)}
+
+    # -- structure -----------------------------------------------------------------------
+    def add_module(self, path: str, parent: int | None, name: str, type_: str, kind: str = "registered",
+                   params: int = 0, trainable: int | None = None, in_opt: int | None = None,
+                   relu: bool = True) -> int:
+        mid = len(self.modules)
+        depth = 0 if parent is None else self.modules[parent]["depth"] + 1
+        m = {"module_id": mid, "path": path, "parent_id": parent, "name": name, "type": type_,
+             "kind": kind, "depth": depth, "params": params, "relu": relu,
+             "trainable": params if trainable is None else trainable,
+             "in_opt": (params if kind == "registered" else 0) if in_opt is None else in_opt}
+        self.modules.append(m)
+        self.conn.execute(
+            "INSERT INTO modules (rank, module_id, path, parent_id, name, type, type_module, kind, depth, "
+            "n_children, params_total, params_trainable, params_in_optimizer, first_step) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'user', ?, ?, 0, ?, ?, ?, 0)",
+            (self.rank, mid, path, parent, name, type_, kind, depth, params, m["trainable"], m["in_opt"]))
+        if parent is not None:
+            self.conn.execute("UPDATE modules SET n_children = n_children + 1 WHERE rank = ? "
+                              "AND module_id = ?", (self.rank, parent))
+        return mid
+
+    def add_param(self, module_id: int, path: str, name: str, shape: list[int], *, kind: str = "parameter",
+                  requires_grad: bool = True, in_optimizer: bool = True, in_state_dict: bool | None = None,
+                  aliases: list[str] | None = None, moved: int | None = 1) -> int:
+        pid = len(self.params)
+        numel = math.prod(shape)
+        registered = kind in ("parameter", "buffer")
+        self.params.append({"param_id": pid, "module_id": module_id, "moved": moved})
+        self.conn.execute(
+            "INSERT INTO params (rank, param_id, path, module_id, name, shape, numel, dtype, device, kind, "
+            "requires_grad, registered, is_parameter, in_state_dict, in_optimizer, opt_index, opt_group, lr, "
+            "aliases, moved) VALUES (?, ?, ?, ?, ?, ?, ?, 'float32', 'cpu', ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+            (self.rank, pid, path, module_id, name, json.dumps(shape), numel, kind, int(requires_grad),
+             int(registered), int(registered if in_state_dict is None else in_state_dict), int(in_optimizer),
+             0 if in_optimizer else None, 0 if in_optimizer else None, 0.01 if in_optimizer else None,
+             json.dumps(aliases or []), moved))
+        return pid
+
+    def add_finding(self, code: str, path: str, severity: str, module_id: int | None, message: str,
+                    fix: str = "", evidence: dict | None = None, active: int = 1) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO findings (rank, code, path, severity, module_id, message, fix, evidence, "
+            "first_step, last_step, active) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
+            (self.rank, code, path, severity, module_id, message, fix, json.dumps(evidence or {}),
+             max(self.step, 0), active))
+        self.conn.commit()
+
+    def commit(self) -> None:
+        self.conn.commit()
+
+    # -- samples ---------------------------------------------------------------------------
+    def add_steps(self, n: int, *, hist: bool = True, modules: list[int] | None = None) -> int:
+        mods = self.modules if modules is None else [self.modules[i] for i in modules]
+        for _ in range(n):
+            self.step += 1
+            s = self.step
+            self.loss = max(0.02, self.loss * 0.985 + self.rng.uniform(-0.01, 0.01))
+            self.conn.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, 1)",
+                              (self.rank, s, time.time(), self.loss, 3.0, 0.01))
+            rows = []
+            for m in mods:
+                scale = 0.5 + 0.3 * math.sin(s / 15 + m["module_id"])
+                dead = 0.0 if not m["relu"] else 0.05 + 0.02 * (m["module_id"] % 3)
+                rows.append((self.rank, m["module_id"], s, 1, 64, scale * 0.4, scale, scale * 3, dead,
+                             dead, 0.0, 0, 0.01 / (1 + s) ** 0.5, 1, 1,
+                             self._hists[m["relu"]][(s + m["module_id"]) % 12] if hist else None))
+            self.conn.executemany("INSERT INTO module_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                  rows)
+            prow = [(self.rank, p["param_id"], s, 0.05 * (1 + 0.3 * math.sin(s / 7)), 4.0,
+                     0.0 if p["moved"] == 0 else 0.004, 0.0 if p["moved"] == 0 else 0.001)
+                    for p in self.params]
+            self.conn.executemany("INSERT INTO param_stats VALUES (?, ?, ?, ?, ?, ?, ?)", prow)
+            self.conn.execute("UPDATE ranks SET step = ?, samples_written = samples_written + 1, "
+                              "updated_at = ? WHERE rank = ?", (s, time.time(), self.rank))
+            self.conn.commit()
+        return self.step
+
+    def close(self, status: str = "closed") -> None:
+        self.conn.execute("UPDATE ranks SET status = ?, closed_at = ? WHERE rank = ?",
+                          (status, time.time(), self.rank))
+        self.conn.commit()
+        self.conn.close()
+
+
+UNREG_MSG = ("encoder.blocks[0] (Linear) is reachable through a plain Python list but not registered: "
+             "model.parameters(), the optimizer, state_dict() and .to() do not see its 272 parameters.")
+UNREG_FIX = "Store the blocks in nn.ModuleList instead of a list."
+
+
+def demo(path: Path, *, fixed: bool = False, steps: int = 30, live: bool = False,
+         model_class: str = "Classifier", run_name: str | None = None) -> SynthStore:
+    """The demo classifier (stem, encoder with three blocks, head). Returns the open writer when
+    ``live`` (call ``add_steps``/``close``), else closes it."""
+    st = SynthStore(path, run_name=run_name or ("demo-fixed" if fixed else "demo"), model_class=model_class)
+    width = 16
+    root = st.add_module("", None, "", model_class, params=898 if fixed else 82)
+    stem = st.add_module("stem", root, "stem", "Linear", params=48)
+    st.add_param(stem, "stem.weight", "weight", [width, 2])
+    st.add_param(stem, "stem.bias", "bias", [width])
+    enc = st.add_module("encoder", root, "encoder", "Encoder", params=816 if fixed else 0)
+    blocks = []
+    if fixed:
+        lst = st.add_module("encoder.blocks", enc, "blocks", "ModuleList", params=816)
+        for i in range(3):
+            b = st.add_module(f"encoder.blocks.{i}", lst, str(i), "Linear", params=272)
+            st.add_param(b, f"encoder.blocks.{i}.weight", "weight", [width, width])
+            st.add_param(b, f"encoder.blocks.{i}.bias", "bias", [width])
+            blocks.append(b)
+    else:
+        for i in range(3):
+            b = st.add_module(f"encoder.blocks[{i}]", enc, f"blocks[{i}]", "Linear", kind="unregistered",
+                              params=272, trainable=272, in_opt=0)
+            st.add_param(b, f"encoder.blocks[{i}].weight", "weight", [width, width], kind="tensor",
+                         in_optimizer=False, in_state_dict=False, moved=0)
+            st.add_param(b, f"encoder.blocks[{i}].bias", "bias", [width], kind="tensor",
+                         in_optimizer=False, in_state_dict=False, moved=0)
+            blocks.append(b)
+    head = st.add_module("head", root, "head", "Linear", params=34, relu=False)
+    st.add_param(head, "head.weight", "weight", [2, width])
+    st.add_param(head, "head.bias", "bias", [2])
+    st.commit()
+    if not fixed:
+        for i, b in enumerate(blocks):
+            st.add_finding("unregistered-module", f"encoder.blocks[{i}]", "error", b,
+                           UNREG_MSG.replace("[0]", f"[{i}]"), UNREG_FIX,
+                           {"container": "list", "attribute": "blocks", "params": 272})
+            st.add_finding("not-updating", f"encoder.blocks[{i}].weight", "error", b,
+                           f"encoder.blocks[{i}].weight receives gradients but never changes: no optimizer "
+                           "holds it.", UNREG_FIX, {"steps_observed": steps})
+    st.add_steps(steps)
+    if not live:
+        st.close()
+    return st
+
+
+def big(path: Path, *, n_modules: int = 10000, steps: int = 20, fanout: int = 10,
+        findings_every: int = 97, hist: bool = True) -> SynthStore:
+    """A tree of ``n_modules`` modules (``fanout`` children per node), findings spread over it."""
+    st = SynthStore(path, run_name="big", model_class="BigModel")
+    st.add_module("", None, "", "BigModel", params=n_modules * 10)
+    queue = [0]
+    codes = [("dead-units", "warning"), ("saturated", "warning"), ("frozen-parameter", "info"),
+             ("unregistered-module", "error"), ("dead-layer", "error")]
+    k = 0
+    while len(st.modules) < n_modules and queue:
+        parent = queue.pop(0)
+        for c in range(fanout):
+            if len(st.modules) >= n_modules:
+                break
+            ppath = st.modules[parent]["path"]
+            path = f"{ppath}.layers.{c}" if ppath else f"layers.{c}"
+            t = "Block" if len(st.modules) % 2 else "Linear"
+            mid = st.add_module(path, parent, f"layers.{c}", t, params=10)
+            queue.append(mid)
+            if mid % findings_every == 0:
+                code, sev = codes[k % len(codes)]
+                k += 1
+                st.add_finding(code, path, sev, mid, f"{path}: synthetic {code}", "synthetic fix")
+    st.commit()
+    if steps:
+        st.add_steps(steps, hist=hist)
+    st.close()
+    return st
