@@ -389,6 +389,7 @@ def build_structure(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
 def subtree_has_state_or_modes(module: nn.Module) -> bool:
     """True when a module matters to the optimizer/state_dict/.to()/eval()."""
     for m in module.modules():
-        if m._parameters or m._buffers or is_mode_sensitive(m):
+        if any(v is not None for v in m._parameters.values()) or \
+                any(v is not None for v in m._buffers.values()) or is_mode_sensitive(m):
             return True
     return False

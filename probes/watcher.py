@@ -199,6 +199,8 @@ class Watcher:
                 atexit.unregister(self._atexit)
             self._optimizers = []
             self._structure = ModelStructure([], [], [], False, 0)
+            self._module_nodes, self._tensor_nodes, self._module_ids = {}, {}, {}
+            self._tensor_owners, self._sat = {}, {}
             self._last_active.clear()
             self._runtime_objects.clear()
             self._state = None
@@ -274,7 +276,8 @@ class Watcher:
         return out
 
     def _compute_signature(self, model: nn.Module) -> tuple:
-        params = tuple(id(p) for p in model.parameters())
+        from .structure import is_uninitialized
+        params = tuple((id(p), is_uninitialized(p)) for p in model.parameters())
         opt = tuple(id(p) for o in self._optimizers for g in o.param_groups for p in g["params"])
         return (params, opt, len(self._structure.modules) if hasattr(self, "_structure") else 0)
 
@@ -307,9 +310,11 @@ class Watcher:
         st.handles.append(mod.register_module_forward_hook(self._on_forward))
         for t in self._structure.tensors:
             tensor = t.tensor
-            if tensor is None or not tensor.requires_grad or tensor.grad_fn is not None or t.kind == "buffer":
+            if tensor is None or t.kind == "buffer" or measure_skip(tensor) or not tensor.requires_grad \
+                    or tensor.grad_fn is not None:
                 continue
-            st.handles.append(tensor.register_hook(functools.partial(self._on_grad, t.param_id)))
+            with self._guard("attach"):
+                st.handles.append(tensor.register_hook(functools.partial(self._on_grad, t.param_id)))
 
     def _detach(self) -> None:
         st = self._state

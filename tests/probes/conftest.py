@@ -1,0 +1,34 @@
+import gc
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_no_leaks():
+    torch.manual_seed(0)
+    yield
+    gc.collect()
+    # a test must never leave a global module hook behind
+    from torch.nn.modules import module as m
+    assert not m._global_forward_hooks, "global forward hook leaked"
+    assert not m._global_forward_pre_hooks, "global forward pre-hook leaked"
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+def codes(findings, severity=None):
+    return {(f.code, f.path) for f in findings if severity is None or f.severity == severity}

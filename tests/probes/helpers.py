@@ -1,0 +1,25 @@
+import torch
+import torch.nn.functional as F
+
+
+def train(model, optimizer, watcher, steps, batch_fn, loss_fn=F.cross_entropy, zero_grad=True):
+    losses = []
+    for _ in range(steps):
+        x, y = batch_fn()
+        out = model(x)
+        loss = loss_fn(out, y)
+        if zero_grad:
+            optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if watcher is not None:
+            watcher.step(loss)
+        losses.append(loss.detach())
+    return losses
+
+
+def by_code(findings):
+    out = {}
+    for f in findings:
+        out.setdefault(f.code, []).append(f)
+    return out

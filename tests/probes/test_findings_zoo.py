@@ -1,0 +1,231 @@
+"""Each finding code is raised on a model from the seeds' bug classes, at the right path."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import probes
+import zoo
+from conftest import codes
+from helpers import by_code, train
+
+
+def xor_batches(n=256):
+    X, y = zoo.xor_data(n)
+    return lambda: (X, y)
+
+
+def test_plain_list_encoder_is_unregistered_not_updating_and_accumulating(run_dir):
+    model = zoo.XORClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 6, xor_batches())
+        found = codes(w.findings(), "error")
+        warnings = codes(w.findings(), "warning")
+    for i in range(3):
+        assert ("unregistered-module", f"encoder.blocks[{i}]") in found
+        assert ("not-updating", f"encoder.blocks[{i}].weight") in found
+        assert ("grad-accumulating", f"encoder.blocks[{i}].weight") in warnings
+    # the registered layers are healthy
+    assert not any(p.startswith(("stem", "head")) for _, p in found)
+    msg = next(f for f in w.findings() if f.code == "unregistered-module").message
+    assert "optimizer" in msg and "state_dict()" in msg
+
+
+def test_fixed_model_has_no_errors(run_dir):
+    model = zoo.XORClassifier()
+    model.encoder.blocks = nn.ModuleList(model.encoder.blocks)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 6, xor_batches())
+        assert codes(w.findings(), "error") == set()
+
+
+def test_audit_adapter_model_matches_the_chapter():
+    model = zoo.AdapterModel()
+    for p in model.norm.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.head = nn.Linear(32, 4)                 # re-initialised after the optimizer was built
+    found = by_code(probes.audit(model, opt))
+    assert {f.path for f in found["unregistered-module"]} == {"adapters[0]", "adapters[1]"}
+    gate = found["unregistered-tensor"]
+    assert [(f.path, f.severity) for f in gate] == [("gate", "error")]
+    assert {f.path for f in found["not-in-optimizer"]} == {"head.weight", "head.bias"}
+    assert {f.path for f in found["frozen-parameter"]} == {"norm.weight", "norm.bias"}
+    stale = found["stale-optimizer-param"]
+    assert len(stale) == 2 and all(f.severity == "warning" for f in stale)
+    assert {f.evidence["replaced"] for f in stale} == {"head.weight", "head.bias"}
+    # 'positions' is a non-persistent buffer: deliberate, not a finding
+    assert not any(f.path == "positions" for fs in found.values() for f in fs)
+
+
+def test_unregistered_tensor_without_grad_is_a_warning():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.scale = torch.ones(2)
+            self.cache = {"k": torch.zeros(3)}
+    found = {(f.code, f.path): f.severity for f in probes.audit(M())}
+    assert found[("unregistered-tensor", "scale")] == "warning"
+    assert found[("unregistered-tensor", "cache['k']")] == "warning"
+
+
+def test_containers_of_any_depth_and_cycles():
+    class Holder:
+        def __init__(self):
+            self.proj = nn.Linear(2, 2)
+            self.me = self                         # cycle
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.adapters = {"a": nn.Linear(2, 2)}
+            self.nested = [({"deep": nn.Linear(2, 2)},)]
+            self.helper = Holder()
+            self.tags = {nn.Identity()}
+            self.loop = [self.fc]
+            self.loop.append(self.loop)
+    paths = {f.path: f.severity for f in probes.audit(M()) if f.code == "unregistered-module"}
+    assert paths["adapters['a']"] == "error"
+    assert paths["nested[0][0]['deep']"] == "error"
+    assert paths["helper.proj"] == "error"
+    assert paths["tags{0}"] == "info"              # no parameters: only eval() misses it
+    assert "fc" not in paths and "loop[0]" not in paths
+
+
+def test_dead_layer_and_dead_units(run_dir):
+    x = torch.randn(64, 8)
+    y = torch.randint(0, 2, (64,))
+    for dead, expected in ((16, "dead-layer"), (8, "dead-units")):
+        model = zoo.DeadReLU(dead_units=dead)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with probes.watch(model, opt, run_dir=run_dir / str(dead), every=1) as w:
+            train(model, opt, w, 5, lambda: (x, y))
+            f = [f for f in w.findings() if f.path == "act"]
+        assert [g.code for g in f] == [expected], f
+        assert f[0].evidence["dead_fraction"] >= (0.9 if dead == 16 else 0.25)
+
+
+def test_constant_output_is_a_dead_layer(run_dir):
+    class Const(nn.Module):
+        def forward(self, x):
+            return torch.zeros_like(x) + 3.0
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.const = Const()
+            self.out = nn.Linear(4, 2)
+        def forward(self, x):
+            return self.out(self.fc(x) + self.const(x))
+    model = M()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(16, 4), torch.randint(0, 2, (16,))))
+        assert ("dead-layer", "const") in codes(w.findings(), "error")
+
+
+def test_saturated_tanh(run_dir):
+    model = zoo.Saturated()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(64, 8), torch.randint(0, 2, (64,))))
+        sat = [f for f in w.findings() if f.code == "saturated"]
+    assert [f.path for f in sat] == ["act"]
+    assert sat[0].evidence["saturated_fraction"] > 0.5
+
+
+def test_training_mode_mismatch_for_unregistered_dropout(run_dir):
+    model = zoo.DropoutInList()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        model.eval()                               # does not reach regs[0]
+        train(model, opt, w, 2, lambda: (torch.randn(8, 8), torch.randn(8, 8)), loss_fn=F.mse_loss)
+        f = [f for f in w.findings() if f.code == "training-mode-mismatch"]
+    assert [(g.path, g.severity) for g in f] == [("regs[0]", "error")]
+    assert f[0].evidence == {"module_training": True, "root_training": False}
+
+
+def test_validation_in_train_mode_under_no_grad(run_dir):
+    model = zoo.BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,))))
+        assert not [f for f in w.findings() if f.code == "train-mode-under-no-grad"]
+        with torch.no_grad():
+            model(torch.randn(16, 8))              # validation, still in train mode
+        train(model, opt, w, 1, lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,))))
+        f = [f for f in w.findings() if f.code == "train-mode-under-no-grad"]
+        assert len(f) == 1 and f[0].severity == "warning" and "bn" in f[0].evidence["modules"]
+        model.eval()                               # the fix
+        with torch.no_grad():
+            model(torch.randn(16, 8))
+        model.train()
+        train(model, opt, w, 1, lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,))))
+        assert not [f for f in w.findings() if f.code == "train-mode-under-no-grad"]
+
+
+def test_non_finite_names_the_first_producer(run_dir):
+    model = zoo.ProducesNaN()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 1, lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,))))
+        nf = [f for f in w.findings() if f.code == "non-finite"]
+    assert nf and nf[0].path == "bad" and nf[0].severity == "error"
+    assert nf[0].evidence["modules_affected"] >= 2      # out and the root inherit it
+
+
+def test_forward_bypassed(run_dir):
+    model = zoo.Bypass()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        f = [f for f in w.findings() if f.code == "forward-bypassed"]
+    assert [g.path for g in f] == ["proj"]
+
+
+def test_shared_parameter_is_info():
+    model = zoo.GPT()
+    f = [f for f in probes.audit(model) if f.code == "shared-parameter"]
+    assert len(f) == 1 and f[0].severity == "info"
+    assert f[0].path == "wte.weight" and f[0].evidence["aliases"] == ["head.weight"]
+
+
+def test_closure_module_found_at_run_time(run_dir):
+    model = zoo.make_closure_model()
+    assert not [f for f in probes.audit(model) if f.code == "unregistered-module"]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        f = [f for f in w.findings() if f.code == "unregistered-module"]
+    assert [(g.path, g.severity) for g in f] == [("<unreachable Linear>", "error")]
+
+
+def test_parameter_free_criterion_built_in_forward_is_info(run_dir):
+    model = zoo.CriterionInForward()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            loss = model(torch.randn(8, 8), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        f = [f for f in w.findings() if f.code == "unregistered-module"]
+    assert [(g.path, g.severity) for g in f] == [("<unreachable CrossEntropyLoss>", "info")]
+
+
+def test_fresh_linear_built_each_call_is_an_error(run_dir):
+    model = zoo.FreshLinearEachCall()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 3, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        f = [f for f in w.findings() if f.code == "unregistered-module"]
+    assert [(g.path, g.severity) for g in f] == [("<unreachable Linear>", "error")]
+    assert "every forward" in f[0].message
+
+
+def test_every_finding_says_what_to_do():
+    for code, (severity, fix) in probes.CODES.items():
+        assert severity in ("error", "warning", "info") and len(fix) > 20, code

@@ -1,0 +1,294 @@
+"""Watching never crashes, hangs, leaks or changes the numerics of training."""
+import gc
+import sqlite3
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.nn.utils.parametrize as parametrize
+import torch.nn.utils.prune as prune
+
+import probes
+import zoo
+from helpers import train
+from probes import measure
+
+
+def hook_dicts(module):
+    return [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+            module._backward_pre_hooks, getattr(module, "_forward_hooks_with_kwargs", {}),
+            module._state_dict_hooks, module._load_state_dict_pre_hooks]
+
+
+def gpt_batch():
+    g = torch.Generator().manual_seed(1)
+    return lambda: (torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
+
+
+def gpt_loss(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def test_close_removes_every_hook_and_holds_no_reference(run_dir):
+    model = zoo.XORClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    before = {name: set(vars(m)) for name, m in model.named_modules()}
+    w = probes.watch(model, opt, run_dir=run_dir, every=1)
+    X, y = zoo.xor_data(64)
+    train(model, opt, w, 3, lambda: (X, y))
+    w.close()
+    w.close()                                           # idempotent
+    from torch.nn.modules import module as m
+    assert not m._global_forward_hooks and not m._global_forward_pre_hooks
+    for mod in list(model.modules()) + list(model.encoder.blocks):
+        assert all(len(d) == 0 for d in hook_dicts(mod))
+    for p in list(model.parameters()) + [p for b in model.encoder.blocks for p in b.parameters()]:
+        assert not p._backward_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == before   # nothing added
+    model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    assert model_ref() is None and opt_ref() is None, "the closed watcher still references the model"
+
+
+def test_closed_watcher_ignores_further_training(run_dir):
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = probes.watch(model, opt, run_dir=run_dir, every=1)
+    w.close()
+    train(model, opt, w, 2, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
+    assert w.closed and w.step_count == 0
+
+
+@pytest.mark.parametrize("make,batch,loss_fn", [
+    (zoo.ResNetSmall, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))), F.cross_entropy),
+    (zoo.GPT, gpt_batch(), gpt_loss),
+    (zoo.XORClassifier, lambda: zoo.xor_data(128), F.cross_entropy),
+])
+@pytest.mark.parametrize("every", [1, None])
+def test_losses_bit_identical_with_and_without_watch(make, batch, loss_fn, every, run_dir):
+    torch.manual_seed(0)
+    data = [batch() for _ in range(6)]
+
+    def run(watched):
+        torch.manual_seed(123)
+        model = make()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        it = iter(data)
+        w = probes.watch(model, opt, run_dir=run_dir / str(watched), every=every) if watched else None
+        try:
+            losses = train(model, opt, w, len(data), lambda: next(it), loss_fn)
+        finally:
+            if w:
+                w.close()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    bare_l, bare_p = run(False)
+    watched_l, watched_p = run(True)
+    assert torch.equal(bare_l, watched_l)
+    assert all(torch.equal(a, b) for a, b in zip(bare_p, watched_p))
+
+
+def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(measure, "call_vector", boom)
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        losses = train(model, opt, w, 3, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
+        errs = w.probe_errors
+    assert len(losses) == 3
+    assert errs[("forward-hook", "RuntimeError")]["count"] >= 3 * 8
+    con = sqlite3.connect(w.store_path)
+    row = con.execute("SELECT location, error_type, message, count FROM probe_errors").fetchone()
+    assert row[:3] == ("forward-hook", "RuntimeError", "injected failure") and row[3] >= 24
+    assert con.execute("SELECT probe_errors FROM ranks").fetchone()[0] >= 24
+
+
+@pytest.mark.parametrize("kwargs,exc,needle", [
+    (dict(model="not a model"), TypeError, "got str: 'not a model'"),
+    (dict(optimizer="adam"), TypeError, "optimizer"),
+    (dict(optimizer=[None]), TypeError, "optimizer[0]"),
+    (dict(every=0), ValueError, "every must be a positive int or None, got 0"),
+    (dict(every=True), ValueError, "got True"),
+    (dict(overhead=2.0), ValueError, "got 2.0"),
+    (dict(run_dir=42), TypeError, "got int"),
+    (dict(window=0), ValueError, "got 0"),
+])
+def test_bad_arguments_raise_at_once_naming_the_value(kwargs, exc, needle, run_dir):
+    args = dict(model=zoo.MLP(), optimizer=None, run_dir=run_dir)
+    args.update(kwargs)
+    model = args.pop("model")
+    opt = args.pop("optimizer")
+    with pytest.raises(exc) as info:
+        probes.watch(model, opt, **args)
+    assert needle in str(info.value)
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        probes.watch(zoo.MLP(), run_dir=f)
+
+
+def test_store_from_a_newer_schema_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    con = sqlite3.connect(run / probes.STORE_FILENAME)
+    con.execute("PRAGMA user_version=99")
+    con.close()
+    with pytest.raises(RuntimeError, match=r"schema version 99"):
+        probes.watch(zoo.MLP(), run_dir=run)
+
+
+def test_corrupt_store_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / probes.STORE_FILENAME).write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(RuntimeError, match="not a modscope store"):
+        probes.watch(zoo.MLP(), run_dir=run)
+
+
+def test_odd_models_do_not_crash_the_audit_or_the_watcher(run_dir):
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    assert probes.audit(lazy) is not None
+    param = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    class Symmetric(nn.Module):
+        def forward(self, X):
+            return X.triu() + X.triu(1).transpose(-1, -2)
+    parametrize.register_parametrization(param[0], "weight", Symmetric())
+    pruned = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    prune.l1_unstructured(pruned[0], "weight", amount=0.5)
+    with torch.device("meta"):
+        meta = zoo.MLP()
+    for name, model in {"lazy": lazy, "param": param, "pruned": pruned, "meta": meta}.items():
+        errors = [f for f in probes.audit(model) if f.severity == "error"]
+        assert errors == [], (name, errors)
+    for name, model in {"lazy": lazy, "param": param, "pruned": pruned}.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with probes.watch(model, opt, run_dir=run_dir / name, every=1) as w:
+            train(model, opt, w, 3, lambda: (torch.randn(4, 4), torch.randint(0, 2, (4,))))
+            assert not w.probe_errors, (name, w.probe_errors)
+            assert [f for f in w.findings() if f.severity == "error"] == [], name
+
+
+def test_ten_thousand_modules(run_dir):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3400)])
+    assert len(list(model.modules())) > 10_000
+    assert [f for f in probes.audit(model) if f.severity == "error"] == []
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(2, 2), torch.randn(2, 2)), F.mse_loss)
+        assert not w.probe_errors
+    con = sqlite3.connect(w.store_path)
+    assert con.execute("SELECT COUNT(*) FROM modules").fetchone()[0] == len(list(model.modules()))
+
+
+def test_outputs_of_every_shape_and_inplace_ops(run_dir):
+    model = zoo.DictOutput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            out = model(torch.randn(4, 8))
+            loss = out["a"].sum() + out["pair"][0].relu_().sum()      # in-place on an output
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert not w.probe_errors
+    con = sqlite3.connect(w.store_path)
+    measured = {r[0] for r in con.execute(
+        "SELECT m.path FROM module_stats s JOIN modules m USING(rank, module_id)")}
+    assert {"", "a", "b"} <= measured and "none" not in measured and "ints" not in measured
+
+
+def test_gan_with_two_optimizers(run_dir):
+    G, D = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), nn.Sequential(nn.Linear(4, 1))
+    gan = nn.ModuleDict({"G": G, "D": D})
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            fake = G(torch.randn(8, 4))
+            d_loss = F.softplus(D(fake.detach())).mean() + F.softplus(-D(torch.randn(8, 4))).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = F.softplus(-D(fake)).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+        assert w.step_count == 4
+        assert [f for f in w.findings() if f.severity == "error"] == []
+        assert not w.probe_errors
+
+
+def test_without_optimizer_steps_come_from_w_step(run_dir):
+    model = zoo.MLP()
+    with probes.watch(model, run_dir=run_dir, every=2) as w:
+        for i in range(5):
+            loss = model(torch.randn(4, 32)).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            w.step(loss)
+    con = sqlite3.connect(w.store_path)
+    rows = con.execute("SELECT step, sampled, loss IS NOT NULL FROM steps ORDER BY step").fetchall()
+    assert rows == [(0, 1, 1), (1, 0, 1), (2, 1, 1), (3, 0, 1), (4, 1, 1)]
+
+
+def test_snapshot_is_a_consistent_single_file(run_dir, tmp_path):
+    model = zoo.XORClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 5, lambda: zoo.xor_data(64))
+        snap = w.snapshot(tmp_path / "review" / "snap.sqlite")
+    assert snap.exists() and not (tmp_path / "review" / "snap.sqlite-wal").exists()
+    con = sqlite3.connect(f"file:{snap}?immutable=1", uri=True)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert con.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 5
+    assert con.execute("PRAGMA user_version").fetchone()[0] == probes.SCHEMA_VERSION
+    assert con.execute("SELECT COUNT(*) FROM findings WHERE active=1 AND severity='error'").fetchone()[0] >= 3
+    with open(snap, "rb") as f:
+        assert f.read(16) == b"SQLite format 3\x00"          # never a pickle
+
+
+def test_default_budget_samples_only_some_steps(run_dir):
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    with probes.watch(model, opt, run_dir=run_dir) as w:
+        train(model, opt, w, 60, lambda: (x, y))
+    con = sqlite3.connect(w.store_path)
+    n, sampled = con.execute("SELECT COUNT(*), SUM(sampled) FROM steps").fetchone()
+    assert n == 60
+    assert 1 <= sampled < 60 / 2
+    assert con.execute("SELECT MIN(step) FROM steps WHERE sampled=1").fetchone()[0] == 0
+    assert con.execute("SELECT overhead FROM ranks").fetchone()[0] is not None
+
+
+def test_full_queue_drops_samples_and_counts_them(run_dir, monkeypatch):
+    from probes import store
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = probes.watch(model, opt, run_dir=run_dir, every=1)
+    slow = threading_event = __import__("threading").Event()
+    original = store.StoreWriter._commit
+
+    def stalled(self, conn, batch):
+        slow.wait(10)
+        return original(self, conn, batch)
+    monkeypatch.setattr(store.StoreWriter, "_commit", stalled)
+    w._writer._queue.maxsize = 2
+    train(model, opt, w, 20, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
+    assert w.samples_dropped > 0                      # training did not wait for the disk
+    threading_event.set()
+    w.close()
+    con = sqlite3.connect(w.store_path)
+    assert con.execute("SELECT samples_dropped FROM ranks").fetchone()[0] == w.samples_dropped
