@@ -21,6 +21,9 @@ import threading
 from pathlib import Path
 
 
+DEMO_ARGS = ("--steps", "0", "--delay", "0.1")
+
+
 def fail(msg: str) -> "NoReturn":  # noqa: F821
     print(f"modscope: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
@@ -37,8 +40,9 @@ def parse_serve(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--token", help="access token (required, or generated, for a non-loopback host)")
     p.add_argument("--poll-ms", type=int, default=1000, help="live polling interval in ms (default 1000)")
     p.add_argument("--runs-dir", default="runs", help="where the demo writes its run (default ./runs)")
-    p.add_argument("--demo-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument passed to examples/demo_train.py (repeatable)")
+    p.add_argument("--demo-arg", action="append", default=None, metavar="ARG",
+                   help="argument passed to examples/demo_train.py, repeatable "
+                        f"(default: {' '.join(DEMO_ARGS)}: train until stopped, sampling every step)")
     return p.parse_args(argv)
 
 
@@ -93,7 +97,7 @@ def serve_main(argv: list[str]) -> int:
             from dashboard.demo import fresh_run_dir, start_demo
             run_dir = fresh_run_dir(Path(args.runs_dir))
             try:
-                demo_proc = start_demo(run_dir, args.demo_arg)
+                demo_proc = start_demo(run_dir, list(DEMO_ARGS) if args.demo_arg is None else args.demo_arg)
             except FileNotFoundError as exc:
                 fail(str(exc))
             print(f"demo training started (pid {demo_proc.pid}), writing to {run_dir}", flush=True)

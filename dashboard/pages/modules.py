@@ -39,13 +39,13 @@ def layout(config) -> html.Div:
         html.Div([
             html.Div(id=ids.DETAIL_HEADER, className="detail-header",
                      children=message("Select a module in the tree.")),
-            html.Div(id=ids.DETAIL_FINDINGS),
             html.Div([
                 *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
                             style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style={"display": "none"}),
             html.Div(id=ids.DETAIL_PARAMS),
+            html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
         ], className="panel detail-panel"),
     ], className="modules")

@@ -1,0 +1,130 @@
+"""Browser tests on the real demo: ``python app.py`` with no store starts
+examples/demo_train.py (the plain-list encoder bug), the dashboard follows it live,
+exports a snapshot that reopens with --snapshot and a report that opens offline, and
+compares the demo before and after the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from selenium.webdriver.common.by import By
+
+from conftest import REPO, assert_console_clean, click, demo_available, screenshot, wait_for, wait_text
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not demo_available(), reason="needs torch, probes and examples/demo_train.py")]
+
+BLOCKS = [f"encoder.blocks[{i}]" for i in range(3)]
+
+
+def unregistered_paths(driver) -> list[str]:
+    return sorted(el.get_attribute("data-path") for el in
+                  driver.find_elements(By.CSS_SELECTOR, ".tree-row[data-kind='unregistered']"))
+
+
+def header_step(driver) -> int | None:
+    text = driver.find_element(By.ID, "run-status").text  # "step 12 · running"
+    parts = text.split()
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "step" and parts[1].isdigit() else None
+
+
+def trace_len(driver, graph_id: str) -> int:
+    return driver.execute_script(
+        "const g = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "return g && g.data && g.data.length ? g.data[0].x.length : 0;", graph_id)
+
+
+def run_demo(run_dir: Path, *extra: str) -> Path:
+    subprocess.run([sys.executable, str(REPO / "examples" / "demo_train.py"), "--run-dir", str(run_dir),
+                    "--steps", "40", "--every", "1", *extra], check=True, cwd=str(REPO),
+                   stdout=subprocess.DEVNULL, timeout=300)
+    return run_dir
+
+
+def test_default_command_runs_demo_live(page, server_factory, tmp_path, download_dir):
+    """`python app.py`: demo renders, the three plain-list blocks show as unregistered,
+    clicking a module shows its charts, new samples appear live without losing the
+    selection, the expanded nodes or the zoom; export downloads a snapshot and a report."""
+    srv = server_factory(["--runs-dir", str(tmp_path / "runs")])
+    assert "demo training started" in srv.output()
+    page.get(srv.url)
+    wait_text(page, "3 unregistered", "#ov-cards")
+    wait_text(page, "unregistered-module", "#ov-top-findings")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#ov-loss .scatterlayer .trace"), "loss curve")
+
+    # live: the header's step moves on
+    first = wait_for(page, header_step, "a step in the header")
+    wait_for(page, lambda d: (header_step(d) or 0) > first, "the step to advance live")
+
+    click(page, ".nav-link", "Modules")
+    wait_for(page, lambda d: unregistered_paths(d) == BLOCKS, "the three plain-list blocks, unregistered")
+    click(page, ".tree-row[data-path='encoder.blocks[1]'] .tree-label")
+    wait_text(page, "encoder.blocks[1]", "#detail-header h2")
+    wait_for(page, lambda d: trace_len(d, "detail-activation") > 0, "activation chart of blocks[1]")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
+    wait_text(page, "not in state_dict", "#detail-params")
+
+    # zoom into the activation chart, then let new samples arrive
+    page.execute_script("const g = document.querySelector('#detail-activation .js-plotly-plot');"
+                        "Plotly.relayout(g, {'xaxis.range': [0, 5]});")
+    n0 = trace_len(page, "detail-activation")
+    wait_for(page, lambda d: trace_len(d, "detail-activation") > n0 + 2, "new samples in the open chart")
+    assert page.find_elements(By.CSS_SELECTOR, ".tree-row.selected[data-path='encoder.blocks[1]']")
+    assert unregistered_paths(page) == BLOCKS            # encoder is still expanded
+    rng = page.execute_script("return document.querySelector('#detail-activation .js-plotly-plot')"
+                              ".layout.xaxis.range;")
+    assert [round(x) for x in rng] == [0, 5]
+    screenshot(page, "live-modules")
+
+    # export: snapshot and report downloads
+    for f in download_dir.glob("*"):
+        f.unlink()
+    click(page, "#export-snapshot-btn")
+    snap = wait_for(page, lambda d: [p for p in download_dir.glob("*.sqlite")], "snapshot download")[0]
+    click(page, "#export-report-btn")
+    report = wait_for(page, lambda d: [p for p in download_dir.glob("*.html")], "report download")[0]
+    assert_console_clean(page)
+
+    # the downloaded snapshot reopens in review mode (a second server)
+    review = server_factory(["--snapshot", str(snap)])
+    page.get(review.url + "modules")
+    wait_for(page, lambda d: unregistered_paths(d) == BLOCKS, "blocks in the reopened snapshot")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".subtitle .mode-review"), "review mode")
+    assert_console_clean(page)
+
+    # the report opens offline
+    page.execute_cdp_cmd("Network.enable", {})
+    page.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": True, "latency": 0,
+                                                              "downloadThroughput": 0, "uploadThroughput": 0})
+    try:
+        page.get(report.resolve().as_uri())
+        wait_text(page, "encoder.blocks[0]", "#findings")
+        wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#loss .js-plotly-plot .scatterlayer .trace"),
+                 "the loss chart drawn offline")
+        screenshot(page, "report")
+    finally:
+        page.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                                  "downloadThroughput": -1, "uploadThroughput": -1})
+    text = report.read_text()
+    assert "<script src" not in text and "<link" not in text  # nothing loaded from elsewhere
+
+
+def test_compare_demo_before_and_after_fix(page, server_factory, tmp_path):
+    before = run_demo(tmp_path / "before")
+    after = run_demo(tmp_path / "after", "--fixed")
+    srv = server_factory(["--compare", str(before), str(after)])
+    page.get(srv.url)
+    wait_text(page, "checkpoint keys", "#cmp-summary")
+    resolved = wait_text(page, "encoder.blocks[0]", "#cmp-resolved")
+    assert "unregistered-module" in resolved.text
+    added = wait_text(page, "encoder.blocks.0.weight", "#cmp-keys-added")
+    assert "encoder.blocks.2.bias" in added.text
+    rows = wait_text(page, "was encoder.blocks[0]", "#cmp-modules")
+    assert "unregistered" in rows.text
+    summary = page.find_element(By.ID, "cmp-summary").text
+    assert "82" in summary and "898" in summary
+    screenshot(page, "compare")
