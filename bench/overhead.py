@@ -1,0 +1,277 @@
+"""Training-step overhead of modscope vs bare training, an ideal minimal probe, wandb.watch and
+TensorBoard histograms. Configurations are interleaved in one process (A B C A B C ...) so the
+ratios hold on a noisy machine; each configuration trains its own copy of the model.
+
+    python bench/overhead.py                         # mlp, cnn, gpt; all installed configs
+    python bench/overhead.py --models gpt,cnn --rounds 8 --rss
+    python bench/overhead.py --device cuda --models hf-gpt2-small --sync-count
+
+Prints median ms/step per configuration and the overhead over bare training.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import probes  # noqa: E402
+from models import registry  # noqa: E402
+
+ALL_CONFIGS = ["bare", "modscope-default", "modscope-every1", "ideal", "wandb", "tensorboard"]
+
+
+class IdealProbe:
+    """The reference for the limit: forward hooks on every leaf module computing mean, std,
+    zero fraction, abs-max and non-finite count into one preallocated buffer; one host copy
+    per step. No tree, no gradients, no store."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.leaves = [m for m in model.modules() if not list(m.children())]
+        dev = next(model.parameters()).device
+        self.buf = torch.zeros(len(self.leaves) * 4, 5, device=dev)
+        self.row = 0
+        self.handles = [m.register_forward_hook(self._hook) for m in self.leaves]
+
+    def _hook(self, module, args, out):
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or self.row >= len(self.buf):
+            return
+        with torch.no_grad():
+            x = x.detach()
+            std, mean = torch.std_mean(x)
+            self.buf[self.row] = torch.stack([mean, std, (x == 0).float().mean(), x.abs().amax(),
+                                              (~torch.isfinite(x)).sum().float()])
+        self.row += 1
+
+    def step(self):
+        host = self.buf[:self.row].cpu()          # the one host copy of the step
+        self.row = 0
+        return host
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class Harness:
+    def __init__(self, config, factory, batch_fn, loss_fn, device, workdir: Path):
+        torch.manual_seed(0)
+        self.config = config
+        self.model = factory().to(device)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.batch_fn, self.loss_fn, self.device = batch_fn, loss_fn, device
+        self.watcher = self.ideal = self.tb = self.wandb_run = None
+        run_dir = workdir / config
+        if config == "modscope-default":
+            self.watcher = probes.watch(self.model, self.opt, run_dir=run_dir)
+        elif config == "modscope-every1":
+            self.watcher = probes.watch(self.model, self.opt, run_dir=run_dir, every=1)
+        elif config == "ideal":
+            self.ideal = IdealProbe(self.model)
+        elif config == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir))
+        elif config == "wandb":
+            import wandb
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb_run = wandb.init(mode="offline", dir=str(workdir), project="modscope-bench",
+                                        reinit="create_new" if hasattr(wandb, "Run") else True)
+            self.wandb_run.watch(self.model, log="all", log_freq=1)
+        self.n = 0
+
+    def step(self) -> None:
+        x, y = self.batch_fn()
+        out = self.model(x)
+        loss = self.loss_fn(out, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.tb is not None:
+            for name, p in self.model.named_parameters():
+                self.tb.add_histogram(name, p, self.n)
+                if p.grad is not None:
+                    self.tb.add_histogram(name + ".grad", p.grad, self.n)
+        self.opt.step()
+        if self.watcher is not None:
+            self.watcher.step(loss)
+        if self.ideal is not None:
+            self.ideal.step()
+        if self.wandb_run is not None:
+            self.wandb_run.log({"loss": loss.item()})
+        self.n += 1
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.ideal is not None:
+            self.ideal.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(quiet=True)
+
+
+def available(config: str) -> bool:
+    if config == "wandb":
+        return importlib.util.find_spec("wandb") is not None
+    if config == "tensorboard":
+        return importlib.util.find_spec("tensorboard") is not None
+    return True
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
+    factory, batch_fn, loss_fn = registry(device)[name]
+    harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name) for c in configs]
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    try:
+        for h in harnesses:                        # warm-up (allocator, first-step costs)
+            for _ in range(warmup):
+                h.step()
+        for _ in range(rounds):
+            for h in harnesses:                    # interleaved: A B C A B C ...
+                for _ in range(steps):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    h.step()
+                    sync(device)
+                    times[h.config].append((time.perf_counter() - t0) * 1e3)
+        measured = {}
+        for h in harnesses:
+            if h.watcher is not None:
+                measured[h.config] = h.watcher._policy.overhead()
+    finally:
+        for h in harnesses:
+            h.close()
+    med = {c: statistics.median(v) for c, v in times.items()}
+    return {"median_ms": med, "n": {c: len(v) for c, v in times.items()}, "self_reported": measured}
+
+
+def child_rss(name: str, config: str, steps: int, device: str) -> None:
+    factory, batch_fn, loss_fn = registry(device)[name]
+    with tempfile.TemporaryDirectory() as d:
+        h = Harness(config, factory, batch_fn, loss_fn, device, Path(d))
+        for _ in range(steps):
+            h.step()
+        h.close()
+    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def rss(name: str, config: str, steps: int, device: str) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child-rss", name, config, str(steps), "--device", device],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mb"]
+
+
+def count_syncs(name: str, device: str, workdir: Path) -> int:
+    """Host syncs during one sampled modscope step (CUDA only), counted with the sync debug mode."""
+    factory, batch_fn, loss_fn = registry(device)[name]
+    h = Harness("bare", factory, batch_fn, loss_fn, device, workdir)
+    for _ in range(2):
+        h.step()
+    base = _syncs_of(h.step)
+    w = probes.watch(h.model, h.opt, run_dir=workdir / "sync", every=1)
+    h.watcher = w
+    h.step()
+    with_probe = _syncs_of(h.step)
+    h.close()
+    return with_probe - base
+
+
+def _syncs_of(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(1 for c in caught if "synchroniz" in str(c.message))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
+    ap.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10, help="steps per configuration per round")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--rss", action="store_true", help="also peak RSS of bare vs modscope every=1 (subprocesses)")
+    ap.add_argument("--sync-count", action="store_true", help="count host syncs per sampled step (CUDA)")
+    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--child-rss", nargs=3, metavar=("MODEL", "CONFIG", "STEPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child_rss:
+        child_rss(args.child_rss[0], args.child_rss[1], int(args.child_rss[2]), args.device)
+        return 0
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; expected some of {ALL_CONFIGS}")
+    skipped = [c for c in configs if not available(c)]
+    configs = [c for c in configs if available(c)]
+    if "bare" not in configs:
+        configs.insert(0, "bare")
+    models = [m for m in args.models.split(",") if m]
+    print(f"torch {torch.__version__}  device={args.device}  threads={torch.get_num_threads()}  "
+          f"rounds={args.rounds} x steps={args.steps} (interleaved)" +
+          (f"  skipped (not installed): {skipped}" if skipped else ""))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp))
+            med = r["median_ms"]
+            bare = med["bare"]
+            ideal_over = med.get("ideal", bare) - bare
+            print(f"\n{name}: median ms/step (overhead vs bare)")
+            for c in configs:
+                over = (med[c] - bare) / bare
+                extra = ""
+                if c.startswith("modscope") and "ideal" in med and ideal_over > 0:
+                    extra += f"  {(med[c] - bare) / ideal_over:5.2f}x ideal's overhead"
+                if c.startswith("modscope") and "wandb" in med and med[c] > bare:
+                    extra += f"  {(med['wandb'] - bare) / (med[c] - bare):6.1f}x less than wandb"
+                if c in r["self_reported"] and r["self_reported"][c] is not None:
+                    extra += f"  (self-reported {r['self_reported'][c]:.2%})"
+                print(f"  {c:18s} {med[c]:9.2f} ms  {over:+8.2%}{extra}")
+            if args.rss:
+                steps = max(20, args.steps * 2)
+                rb = rss(name, "bare", steps, args.device)
+                rm = rss(name, "modscope-every1", steps, args.device)
+                r["rss_mb"] = {"bare": rb, "modscope-every1": rm}
+                print(f"  peak RSS: bare {rb:.0f} MB, modscope every=1 {rm:.0f} MB ({rm - rb:+.0f} MB)")
+            if args.sync_count and args.device.startswith("cuda"):
+                r["syncs_per_sampled_step"] = count_syncs(name, args.device, Path(tmp))
+                print(f"  host syncs added per sampled step: {r['syncs_per_sampled_step']}")
+            results[name] = r
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what is missing, then runs pytest.
+#   bash tests/run.sh            (extra arguments go to pytest, e.g. -k browser)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first: users bring their own (>= 2.4); without one, take the CPU build if it is on disk
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch>=2.4"
+"$PY" -m pip install -q -r requirements-dev.txt
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "browser tests need Debian's chromium and chromium-driver: sudo apt-get install chromium chromium-driver" >&2
+        exit 2
+    fi
+fi
+exec "$PY" -m pytest -q "$@"
