@@ -496,22 +496,22 @@ class Store:
             out.setdefault(r["id"], {})[r["sev"]] = r["n"]
         return out
 
-    def default_expanded(self, rank: int = 0, limit: int = 200) -> list[int]:
-        """Nodes to open on first view: the root and the ancestors of error/warning findings."""
+    def default_expanded(self, rank: int = 0, findings: int = 3) -> list[int]:
+        """Nodes to open on first view: the root and the ancestors of the first few
+        error (then warning) findings, so the worst problems are visible at once."""
         root = self.root(rank)
         if root is None:
             return []
         ids = [root["module_id"]]
-        rows = self._query("SELECT DISTINCT module_id FROM findings WHERE rank = ? AND active = 1 "
+        rows = self._query("SELECT module_id FROM findings WHERE rank = ? AND active = 1 "
                            "AND severity IN ('error', 'warning') AND module_id IS NOT NULL "
-                           "LIMIT 50", (rank,), limit=50)
+                           "GROUP BY module_id ORDER BY MIN(CASE severity WHEN 'error' THEN 0 ELSE 1 END), "
+                           "module_id LIMIT ?", (rank, findings), limit=findings)
         for r in rows:
             for a in self.ancestors(rank, r["module_id"]):
                 if a not in ids:
                     ids.append(a)
-            if len(ids) >= limit:
-                break
-        return ids[:limit]
+        return ids
 
     # -- findings ------------------------------------------------------------------------
     def findings(self, rank: int = 0, *, active: bool | None = True, module_id: int | None = None,

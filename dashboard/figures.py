@@ -74,6 +74,8 @@ def _lines(title: str, series: dict, keys: Sequence[tuple[str, str]], uirevision
                                  if len(steps) < 40 else "lines", name=label,
                                  marker={"size": 4}, line={"color": SERIES_COLORS[i % 5], "width": 2}))
     fig.update_xaxes(title_text="step")
+    if steps and max(steps) - min(steps) < 8:
+        fig.update_xaxes(dtick=1)
     if ytitle:
         fig.update_yaxes(title_text=ytitle)
     if yrange:
@@ -92,7 +94,7 @@ def activation_figure(series: dict, uirevision: object, height: int = 240) -> go
 def fractions_figure(series: dict, uirevision: object, height: int = 240) -> go.Figure:
     if not series.get("step"):
         return empty_figure("No activation samples for this module yet.", height)
-    return _lines("Dead units / saturated / zeros (fraction)", series,
+    return _lines("Dead / saturated / zero fraction", series,
                   [("dead_frac", "dead units"), ("sat_frac", "saturated"), ("zero_frac", "zeros")],
                   uirevision, height, yrange=[-0.02, 1.02])
 
@@ -101,7 +103,7 @@ def grad_figure(series: dict, uirevision: object, height: int = 240) -> go.Figur
     vals = [v for v in (series.get("out_grad_norm") or []) if v is not None]
     if not vals:
         return empty_figure("No output gradients recorded (no backward on sampled steps).", height)
-    return _lines("Output gradient norm", series, [("out_grad_norm", "‖∂loss/∂output‖")], uirevision,
+    return _lines("Output grad norm", series, [("out_grad_norm", "‖∂loss/∂output‖")], uirevision,
                   height, log=all(v > 0 for v in vals) and _spread(vals) > 50)
 
 
@@ -135,7 +137,7 @@ def heatmap_figure(hist: dict, uirevision: object, height: int = 300) -> go.Figu
     # Drop empty outer bins so the picture uses the space.
     used = [i for i in range(nbins) if any(z[i])]
     lo, hi = (min(used), max(used)) if used else (0, nbins - 1)
-    fig = go.Figure(layout=_base("Activation histogram over time (share of values per bin)", height,
+    fig = go.Figure(layout=_base("Activation histogram", height,
                                  uirevision))
     fig.add_trace(go.Heatmap(x=list(steps), y=labels[lo:hi + 1], z=z[lo:hi + 1], colorscale="Viridis",
                              zmin=0, zmax=max(max(r) for r in z) or 1, colorbar={"thickness": 10},
