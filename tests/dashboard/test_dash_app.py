@@ -1,0 +1,218 @@
+"""The app without a browser: command line errors, token check, report, page builders,
+and the rule that the dashboard never imports torch or probes."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import synth_store
+from dashboard import figures
+from dashboard.data import Store
+from dashboard.pages import compare as compare_page
+from dashboard.pages import findings as findings_page
+from dashboard.pages import modules as modules_page
+from dashboard.pages import overview as overview_page
+from dashboard.report import build_report
+from dashboard.server import AppConfig, create_app, is_loopback
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_app(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "app.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(REPO))
+
+
+@pytest.fixture
+def demo_snapshot(tmp_path) -> Path:
+    p = tmp_path / "run" / "modscope.sqlite"
+    synth_store.demo(p, steps=20)
+    return p
+
+
+# -- command line ---------------------------------------------------------------------------------
+def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    notdb = tmp_path / "notdb.sqlite"
+    notdb.write_text("plain text")
+    newer = tmp_path / "newer" / "modscope.sqlite"
+    synth_store.demo(newer, steps=1)
+    c = sqlite3.connect(str(newer))
+    c.execute("PRAGMA user_version = 3")
+    c.commit()
+    c.close()
+    corrupt = tmp_path / "corrupt.sqlite"
+    good = tmp_path / "good" / "modscope.sqlite"
+    synth_store.demo(good, steps=30)
+    data = bytearray(good.read_bytes())
+    corrupt.write_bytes(bytes(data[: len(data) // 3]))
+    return {
+        "missing": (tmp_path / "missing.sqlite", "no such file"),
+        "not sqlite": (notdb, "not an SQLite file"),
+        "newer schema": (newer, "written by schema version 3, this dashboard reads up to 1"),
+        "corrupt": (corrupt, "corrupt SQLite file"),
+    }
+
+
+@pytest.mark.parametrize("how", ["--snapshot", "export", "--compare"])
+def test_bad_files_exit_2_with_one_line(tmp_path, how):
+    for name, (path, problem) in bad_files(tmp_path).items():
+        if how == "export":
+            r = run_app("export", "--snapshot", str(path), "-o", str(tmp_path / "r.html"))
+        elif how == "--compare":
+            r = run_app("--compare", str(path), str(path), "--port", "1")
+        else:
+            r = run_app(how, str(path), "--port", "1")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (name, r.stderr)
+        assert len(lines) == 1 and "Traceback" not in r.stderr, (name, r.stderr)
+        assert str(path) in lines[0] and problem in lines[0], (name, lines[0])
+
+
+def test_run_with_newer_schema_is_refused(tmp_path):
+    path, problem = bad_files(tmp_path)["newer schema"]
+    r = run_app("--run", str(path.parent), "--port", "1")
+    assert r.returncode == 2 and problem in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_export_writes_a_standalone_report(tmp_path, demo_snapshot):
+    out = tmp_path / "report.html"
+    r = run_app("export", "--run", str(demo_snapshot.parent), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "<script src" not in text and "<link" not in text
+    assert "Plotly" in text and "encoder.blocks[0]" in text and "unregistered-module" in text
+
+
+def test_export_of_a_run_not_written_yet(tmp_path):
+    r = run_app("export", "--run", str(tmp_path / "nothing"), "-o", str(tmp_path / "r.html"))
+    assert r.returncode == 2 and "no store yet" in r.stderr
+
+
+def test_bad_port_and_usage(tmp_path, demo_snapshot):
+    r = run_app("--snapshot", str(demo_snapshot), "--port", "70000")
+    assert r.returncode == 2 and "not a port number" in r.stderr
+    r = run_app("--snapshot")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_dashboard_never_imports_torch_or_probes(demo_snapshot, tmp_path):
+    code = (
+        "import sys, builtins\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] in ('torch', 'probes'):\n"
+        "        raise ImportError('blocked: ' + name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import app, dashboard.server, dashboard.report\n"
+        "from dashboard.data import Store\n"
+        "from dashboard.report import build_report\n"
+        "s = Store.open_snapshot(sys.argv[2])\n"
+        "build_report(s)\n"
+        "dashboard.server.create_app(dashboard.server.AppConfig(mode='review', store=s))\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'probes')]\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_sql_only_in_the_data_module():
+    pattern = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\b\s+[\w*(]")
+    offenders = []
+    for p in (REPO / "dashboard").rglob("*.py"):
+        if p.name == "data.py":
+            continue
+        if pattern.search(p.read_text()) or "sqlite3" in p.read_text():
+            offenders.append(p.name)
+    assert offenders == []
+
+
+# -- token ---------------------------------------------------------------------------------------
+def test_token_check(demo_snapshot):
+    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot), token="T0k"))
+    client = app.server.test_client()
+    assert client.get("/").status_code == 401
+    assert client.get("/_dash-layout").status_code == 401
+    assert client.get("/?token=bad").status_code == 401
+    r = client.get("/?token=T0k")
+    assert r.status_code == 200 and "modscope_token=T0k" in r.headers.get("Set-Cookie", "")
+    assert client.get("/_dash-layout").status_code == 200        # the cookie now
+    fresh = app.server.test_client()
+    assert fresh.get("/_dash-layout", headers={"X-Modscope-Token": "T0k"}).status_code == 200
+    assert fresh.get("/_dash-layout", headers={"Authorization": "Bearer T0k"}).status_code == 200
+
+
+def test_loopback_needs_no_token(demo_snapshot):
+    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot)))
+    assert app.server.test_client().get("/").status_code == 200
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
+
+
+# -- escaping ------------------------------------------------------------------------------------
+EVIL = "<script>alert(1)</script>"
+
+
+def test_report_escapes_user_strings(tmp_path):
+    st = synth_store.SynthStore(tmp_path / "modscope.sqlite", run_name=EVIL, model_class=EVIL)
+    root = st.add_module("", None, "", EVIL, params=1)
+    m = st.add_module("x</script>", root, "x</script>", EVIL, kind="unregistered", params=1)
+    st.commit()
+    st.add_finding("unregistered-module", "x</script>", "error", m, EVIL, EVIL, {"k": EVIL})
+    st.add_steps(3)
+    st.close()
+    text = build_report(Store.open_snapshot(tmp_path / "modscope.sqlite"))
+    assert EVIL not in text
+    assert "x</script>" not in text
+    assert html.escape(EVIL) in text
+
+
+def test_pages_render_user_strings_as_text(tmp_path):
+    """Dash renders children as text; make sure no page uses raw HTML (dangerously_allow_html)."""
+    for p in (REPO / "dashboard").rglob("*.py"):
+        body = p.read_text()
+        assert "dangerously_allow_html" not in body and "DangerouslySetInnerHTML" not in body, p
+        assert "dcc.Markdown" not in body, p
+
+
+# -- page builders and figures (pure) ----------------------------------------------------------------
+def test_page_builders(demo_snapshot, tmp_path):
+    s = Store.open_snapshot(demo_snapshot)
+    cards = overview_page.overview_cards(s.overview())
+    assert len(cards) >= 8
+    rows, info = modules_page.build_tree(s, 0, s.default_expanded(), None)
+    assert info == "7 nodes shown"
+    rows, info = modules_page.build_results(s, 0, "blocks", None, None)
+    assert info == "3 matches"
+    assert findings_page.finding_list(s.findings(), ["error"])
+    assert findings_page.finding_list([], ["error"])[0].children == "No findings. ✓"
+    synth_store.demo(tmp_path / "after" / "modscope.sqlite", fixed=True, steps=5)
+    from dashboard.data import compare_stores
+    cmp = compare_stores(s, Store.open_snapshot(tmp_path / "after" / "modscope.sqlite"))
+    assert compare_page.modules_table(cmp, True, ("before", "after"))
+    create_app(AppConfig(mode="compare", store=s, store_b=s))
+
+
+def test_figures_are_pure_and_escaped():
+    series = {"step": [0, 1, 2], "mean": [0.1, 0.2, 0.3], "std": [1, 1, 1], "dead_frac": [0, 0, 0],
+              "sat_frac": [0, 0, 0], "zero_frac": [0, 0, 0], "out_grad_norm": [1.0, 0.1, 0.01]}
+    assert len(figures.activation_figure(series, "r").data) == 2
+    assert len(figures.fractions_figure(series, "r").data) == 3
+    assert figures.grad_figure(series, "r").layout.yaxis.type == "log"
+    assert figures.loss_figure({"step": [], "loss": []}).layout.annotations
+    edges = [-1.0, 0.0, 1.0]
+    heat = figures.heatmap_figure({"step": [0, 1], "counts": [[1, 2, 3, 4], [4, 3, 2, 1]], "edges": edges}, "r")
+    assert len(heat.data[0].z) == 4
+    assert len(figures.bin_labels(edges)) == 4
+    assert figures.plot_text("<b>x</b>") == "&lt;b&gt;x&lt;/b&gt;"
+    assert figures.fmt_num(float("nan")) == "NaN" and figures.fmt_count(1_500_000) == "1.5M"
