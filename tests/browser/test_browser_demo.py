@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.by import By
 
-from conftest import REPO, assert_console_clean, click, demo_available, screenshot, wait_for, wait_text
+from browser_helpers import REPO, assert_console_clean, click, demo_available, screenshot, wait_for, wait_text
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not demo_available(), reason="needs torch, probes and examples/demo_train.py")]

@@ -10,7 +10,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 import synth_store
-from conftest import click, screenshot, wait_for, wait_text
+from browser_helpers import click, screenshot, wait_for, wait_text
 
 pytestmark = pytest.mark.browser
 

@@ -13,7 +13,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 import synth_store
-from conftest import assert_console_clean, click, screenshot, wait_for, wait_text
+from browser_helpers import assert_console_clean, click, screenshot, wait_for, wait_text
 
 pytestmark = pytest.mark.browser
 

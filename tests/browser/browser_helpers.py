@@ -1,0 +1,194 @@
+"""Helpers for the browser tests: a headless Chromium (Debian's chromium +
+chromium-driver), dashboard servers started as real subprocesses on free ports, and
+helpers that wait for visible text and check the browser console."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
+CHROMIUM = os.environ.get("MODSCOPE_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("MODSCOPE_CHROMEDRIVER", shutil.which("chromedriver") or "/usr/bin/chromedriver")
+WAIT = 30  # seconds: the upper bound of every wait (a wait, never a timed assert)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python app.py ARGS --port P`` as a subprocess; ``url`` once it answers HTTP."""
+
+    def __init__(self, args: list[str], *, host: str = "127.0.0.1", cwd: Path | None = None):
+        self.port = free_port()
+        self.host = host
+        self.log = tempfile.NamedTemporaryFile(prefix="modscope-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, str(REPO / "app.py"), *args, "--port", str(self.port), "--host", host]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(cwd or REPO),
+                                     env=env)
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._wait_up()
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def _wait_up(self) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dashboard exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except urllib.error.HTTPError:
+                return  # it answers (e.g. 401 without the token)
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"dashboard did not start:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture
+def server_factory():
+    servers: list[Server] = []
+
+    def make(args: list[str], **kw) -> Server:
+        s = Server(args, **kw)
+        servers.append(s)
+        return s
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def download_dir():
+    d = Path(tempfile.mkdtemp(prefix="modscope-downloads-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def browser(download_dir):
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.fail(f"headless Chromium needed for the browser tests: {CHROMIUM} / {CHROMEDRIVER} "
+                    "(apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="modscope-chrome-")
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--disable-dev-shm-usage", "--window-size=1500,1000", f"--user-data-dir={profile}"):
+        opts.add_argument(a)
+    opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    opts.add_experimental_option("prefs", {"download.default_directory": str(download_dir),
+                                           "download.prompt_for_download": False})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    driver.execute_cdp_cmd("Page.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(download_dir)})
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def page(browser):
+    """The shared browser, with its console drained before and checked after the test."""
+    browser.get("about:blank")
+    browser.get_log("browser")
+    yield browser
+    assert_console_clean(browser)
+
+
+def console_errors(driver) -> list[dict]:
+    return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def assert_console_clean(driver) -> None:
+    errors = console_errors(driver)
+    assert not errors, "browser console errors:\n" + "\n".join(e["message"] for e in errors)
+
+
+def wait_for(driver, predicate, what: str, timeout: float = WAIT):
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate(driver)
+            if value:
+                return value
+        except (StaleElementReferenceException, WebDriverException) as exc:  # element re-rendered
+            last_exc = exc
+        time.sleep(0.1)
+    raise AssertionError(f"waited {timeout:g}s for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def wait_text(driver, text: str, css: str = "body", timeout: float = WAIT):
+    """Wait until ``text`` is visible inside an element matching ``css``."""
+    from selenium.webdriver.common.by import By
+
+    def seen(d):
+        for el in d.find_elements(By.CSS_SELECTOR, css):
+            if el.is_displayed() and text in el.text:
+                return el
+        return None
+    return wait_for(driver, seen, f"text {text!r} in {css}", timeout)
+
+
+def click(driver, css: str, text: str | None = None, timeout: float = WAIT):
+    """Click the first visible element matching ``css`` (and containing ``text``)."""
+    from selenium.webdriver.common.by import By
+
+    def find(d):
+        for el in d.find_elements(By.CSS_SELECTOR, css):
+            if el.is_displayed() and (text is None or text in el.text):
+                el.click()
+                return True
+        return False
+    return wait_for(driver, find, f"clickable {css} {text or ''}", timeout)
+
+
+def screenshot(driver, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path
+
+
+def demo_available() -> bool:
+    """The real demo (examples/demo_train.py + probes.watch + torch) is present."""
+    if not (REPO / "examples" / "demo_train.py").exists():
+        return False
+    try:
+        import probes  # noqa: F401
+        return hasattr(probes, "watch")
+    except ImportError:
+        return False
