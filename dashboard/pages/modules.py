@@ -17,7 +17,7 @@ from ..components import (badge, code_label, evidence_block, finding_badges, kin
 from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
 
 MAX_VISIBLE_ROWS = 2000
-GRAPH_CONFIG = {"displaylogo": False}
+GRAPH_CONFIG = {"displaylogo": False, "displayModeBar": "hover"}
 SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
 SERIES_KEYS = {ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
                ids.DETAIL_GRAD: ("out_grad_norm",)}

@@ -18,7 +18,7 @@ def layout(config) -> html.Div:
     return html.Div([
         html.Div(id=ids.OV_CARDS, className="cards"),
         html.Div([
-            html.Div([dcc.Graph(id=ids.OV_LOSS, config={"displaylogo": False},
+            html.Div([dcc.Graph(id=ids.OV_LOSS, config={"displaylogo": False, "displayModeBar": "hover"},
                                 figure=figures.empty_figure("Loading…"))], className="panel grow"),
             html.Div([html.H3("Top findings"), html.Div(id=ids.OV_TOP_FINDINGS)],
                      className="panel side"),

@@ -55,6 +55,7 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
     wait_text(page, "3 unregistered", "#ov-cards")
     wait_text(page, "unregistered-module", "#ov-top-findings")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#ov-loss .scatterlayer .trace"), "loss curve")
+    screenshot(page, "overview-demo")
 
     # live: the header's step moves on
     first = wait_for(page, header_step, "a step in the header")
@@ -67,6 +68,7 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
     wait_for(page, lambda d: trace_len(d, "detail-activation") > 0, "activation chart of blocks[1]")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
     wait_text(page, "not in state_dict", "#detail-params")
+    screenshot(page, "modules-demo")
 
     # zoom into the activation chart, then let new samples arrive
     page.execute_script("const g = document.querySelector('#detail-activation .js-plotly-plot');"

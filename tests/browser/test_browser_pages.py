@@ -53,3 +53,12 @@ def test_overview_tree_detail_findings(page, server_factory, demo_store):
     click(page, ".finding", "encoder.blocks[2].weight")
     wait_text(page, "encoder.blocks[2]", "#detail-header h2")
     assert page.current_url.endswith("/modules")
+
+
+def test_opening_evidence_does_not_navigate(page, server_factory, demo_store):
+    srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
+    page.get(srv.url + "findings")
+    wait_text(page, "unregistered-module", "#findings-list")
+    click(page, ".finding details summary")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".finding details[open] pre"), "evidence open")
+    assert page.current_url.endswith("/findings")
