@@ -294,8 +294,9 @@ class Store:
         step = self.last_step(rank)
         stats_step = self._one("SELECT MAX(step) AS s FROM module_stats WHERE rank = ?", (rank,))
         mods = self._one("SELECT COUNT(*) AS n FROM modules WHERE rank = ?", (rank,))
-        fnd = self._one("SELECT COUNT(*) AS n, SUM(active) AS a, MAX(last_step) AS l, "
-                        "SUM(LENGTH(code) * active) AS c FROM findings WHERE rank = ?", (rank,))
+        # not last_step: it moves with every sample; the tree's badges change only with these
+        fnd = self._one("SELECT COUNT(*) AS n, SUM(active) AS a, SUM(LENGTH(code) * active) AS c, "
+                        "SUM(LENGTH(path) * active) AS p FROM findings WHERE rank = ?", (rank,))
         rk = self._one("SELECT status, samples_dropped, probe_errors FROM ranks WHERE rank = ?",
                        (rank,))
         return {

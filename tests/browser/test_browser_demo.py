@@ -5,11 +5,13 @@ compares the demo before and after the fix."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from selenium.webdriver.common.by import By
 
@@ -113,6 +115,11 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
                                                                   "downloadThroughput": -1, "uploadThroughput": -1})
     text = report.read_text()
     assert "<script src" not in text and "<link" not in text  # nothing loaded from elsewhere
+
+    # stopping the dashboard stops the demo training
+    pid = int(re.search(r"demo training started \(pid (\d+)\)", srv.output()).group(1))
+    srv.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_compare_demo_before_and_after_fix(page, server_factory, tmp_path):
