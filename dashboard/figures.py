@@ -50,8 +50,8 @@ def loss_figure(series: dict, uirevision: object = "loss", height: int = 280) ->
     if not steps:
         return empty_figure("No loss recorded yet (pass loss= to watcher.step()).", height)
     fig = go.Figure(layout=_base("Loss", height, uirevision))
-    fig.add_trace(go.Scatter(x=list(steps), y=list(loss), mode="lines", name="loss",
-                             line={"color": SERIES_COLORS[0], "width": 2}))
+    fig.add_trace(go.Scatter(x=list(steps), y=list(loss), mode="lines+markers" if len(steps) < 40 else "lines",
+                             name="loss", marker={"size": 4}, line={"color": SERIES_COLORS[0], "width": 2}))
     fig.update_xaxes(title_text="step")
     if all(v is None or v > 0 for v in loss) and _spread(loss) > 100:
         fig.update_yaxes(type="log")

@@ -43,7 +43,7 @@ def overview_cards(ov: dict) -> list:
     return [
         card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}",
              "wide"),
-        card("Step", figures.fmt_num(ov.get("step")), f"{ov['steps_recorded']:,} steps recorded"),
+        card("Step", figures.fmt_num(ov.get("step")), f"{ov['steps_recorded']:,} step{'s' if ov['steps_recorded'] != 1 else ''} recorded"),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),
              f"sampling {_sampling(ov.get('sampling'))}"),
         card("Samples dropped", figures.fmt_num(ov["samples_dropped"]), "queue full" if ov["samples_dropped"]
@@ -75,7 +75,7 @@ def _sampling(s) -> str:
     return "–"
 
 
-def top_findings(items: list[dict]) -> list:
+def top_findings(items: list[dict], total: int | None = None) -> list:
     if not items:
         return [message("No active findings.", "ok")]
     out = []
@@ -86,8 +86,9 @@ def top_findings(items: list[dict]) -> list:
         ], id=ids.finding_item(f["module_id"] if f["module_id"] is not None else -1, i),
             n_clicks=0, className=f"top-finding clickable sev-border-{f['severity']}",
             title="show this module"))
-    if len(items) > TOP_FINDINGS:
-        out.append(dcc.Link(f"all {len(items)} findings →", href="/findings", className="more"))
+    total = len(items) if total is None else total
+    if total > TOP_FINDINGS:
+        out.append(dcc.Link(f"all {total:,} findings →", href="/findings", className="more"))
     return out
 
 
@@ -115,7 +116,7 @@ def register(app, config) -> None:
                 ["where", "error", "message", "count", "first step", "last step"],
                 [[e["location"], e["error_type"], e["message"], e["count"], e["first_step"], e["last_step"]]
                  for e in errs])], className="panel")
-        return overview_cards(ov), top_findings(items), err_block
+        return overview_cards(ov), top_findings(items, sum(ov["findings"].values())), err_block
 
     @app.callback(Output(ids.OV_LOSS, "figure"), Output(ids.OV_LOSS_STATE, "data"),
                   Input(ids.TICK, "data"), Input(ids.RANK, "value"), State(ids.OV_LOSS_STATE, "data"))

@@ -57,11 +57,13 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
     wait_text(page, "3 unregistered", "#ov-cards")
     wait_text(page, "unregistered-module", "#ov-top-findings")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#ov-loss .scatterlayer .trace"), "loss curve")
-    screenshot(page, "overview-demo")
 
     # live: the header's step moves on
     first = wait_for(page, header_step, "a step in the header")
     wait_for(page, lambda d: (header_step(d) or 0) > first, "the step to advance live")
+    wait_for(page, lambda d: (header_step(d) or 0) >= 25, "25 steps for the screenshot")
+    wait_for(page, lambda d: trace_len(d, "ov-loss") >= 20, "the loss curve extended live")
+    screenshot(page, "overview-demo")
 
     click(page, ".nav-link", "Modules")
     wait_for(page, lambda d: unregistered_paths(d) == BLOCKS, "the three plain-list blocks, unregistered")
