@@ -61,9 +61,11 @@ class StepMeasurements:
         return len(self._chunks) - 1
 
     def edges(self, device: torch.device) -> torch.Tensor:
+        """Histogram edges with -inf/+inf ends (HIST_BINS bins), cached per device."""
         e = self._edges.get(device)
         if e is None:
-            e = self._edges[device] = torch.tensor(HIST_EDGES, dtype=torch.float32, device=device)
+            inf = float("inf")
+            e = self._edges[device] = torch.tensor([-inf, *HIST_EDGES, inf], dtype=torch.float32, device=device)
         return e
 
     def fetch(self) -> list[list[float]]:
@@ -85,50 +87,92 @@ class StepMeasurements:
         return out
 
 
+_CONSTS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _const(value: float, device: torch.device) -> torch.Tensor:
+    t = _CONSTS.get((value, device))
+    if t is None:
+        t = _CONSTS[(value, device)] = torch.full((), value, dtype=torch.float32, device=device)
+    return t
+
+
+ZERO_BIN = HIST_EDGES.index(1e-6)     # the bin [-1e-6, 1e-6)
+
+
 def call_vector(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int, sat_kind: str | None,
                 last_active: torch.Tensor | None, sample_index: int, window: int,
                 edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Statistics of one module output as one device vector (CALL_WIDTH), plus the updated
-    per-unit 'last active sample' vector used for dead units over the window."""
+    per-unit 'last active sample' vector used for dead units over the window.
+
+    Chosen for speed: mean and E[x^2] (a dot product) instead of Welford's std_mean (60x slower
+    on CPU); std is exactly 0 when min == max; per-unit activity from amax/amin over the
+    non-unit dims; the histogram (and from its zero bin, the zero fraction) from <= HIST_SAMPLE evenly strided values;
+    the NaN/Inf count only when the mean or E[x^2] is not finite (on the CPU, where reading a
+    scalar costs no device sync) and always on accelerators."""
     with torch.no_grad():
         xf = x.detach()
         if xf.dtype not in (torch.float32, torch.float64):
             xf = xf.float()
-        n = xf.numel()
-        std, mean = torch.std_mean(xf, correction=0)
-        amin, amax = torch.aminmax(xf)
-        absmax = torch.maximum(amax, -amin)
-        nz = xf != 0
-        nonzero = nz.sum()
-        zero_frac = 1.0 - nonzero.to(torch.float32) / n
-        nonfinite = n - torch.isfinite(xf).sum()
-        for t in extra_nonfinite:
-            nonfinite = nonfinite + (t.numel() - torch.isfinite(t.detach()).sum())
-        dead = xf.new_tensor(NOT_APPLICABLE, dtype=torch.float32)
-        new_last = last_active
+        flat = xf.reshape(-1)
+        n = flat.numel()
+        on_cpu = flat.device.type == "cpu"
+        mean = flat.mean()
+        sq = torch.dot(flat, flat) / n
         if xf.dim() >= 1:
             dims = tuple(d for d in range(xf.dim()) if d != udim)
-            active = nz.any(dim=dims) if dims else nz
+            if dims:
+                unit_max, unit_min = xf.amax(dim=dims), xf.amin(dim=dims)
+                amax, amin = unit_max.max(), unit_min.min()
+                active = (unit_max > 0) | (unit_min < 0)
+            else:
+                amin, amax = torch.aminmax(flat)
+                active = xf != 0
             if last_active is None or last_active.shape != active.shape or last_active.device != active.device:
                 last_active = torch.full(active.shape, -1, dtype=torch.int64, device=active.device)
             new_last = torch.where(active, sample_index, last_active)
-            threshold = max(0, sample_index - window + 1)
-            dead = (new_last < threshold).to(torch.float32).mean()
-        if sat_kind == "tanh":
-            sat = (xf.abs() > 0.99).to(torch.float32).mean()
-        elif sat_kind == "sigmoid":
-            sat = ((xf < 0.01) | (xf > 0.99)).to(torch.float32).mean()
+            dead = (new_last < max(0, sample_index - window + 1)).to(torch.float32).mean()
         else:
-            sat = xf.new_tensor(NOT_APPLICABLE, dtype=torch.float32)
-        flat = xf.reshape(-1)
+            amin, amax = torch.aminmax(flat)
+            new_last = last_active
+            dead = _const(NOT_APPLICABLE, xf.device)
+        std = torch.where(amax == amin, 0.0, (sq - mean * mean).clamp_min(0.0).sqrt())
+        absmax = torch.maximum(amax, -amin)
+        finite_known = on_cpu and not extra_nonfinite and bool(torch.isfinite(mean + sq))
+        if finite_known:
+            nonfinite = _const(0.0, xf.device)
+        else:
+            nonfinite = (n - torch.isfinite(flat).sum()).to(torch.float32)
+            for t in extra_nonfinite:
+                nonfinite = nonfinite + (t.numel() - torch.isfinite(t.detach()).sum())
+        if sat_kind == "tanh":
+            sat = (flat.abs() > 0.99).to(torch.float32).mean()
+        elif sat_kind == "sigmoid":
+            sat = ((flat < 0.01) | (flat > 0.99)).to(torch.float32).mean()
+        else:
+            sat = _const(NOT_APPLICABLE, xf.device)
         stride = max(1, n // HIST_SAMPLE)
         sample = flat[::stride][:HIST_SAMPLE].to(torch.float32)
-        ge = (sample.unsqueeze(1) >= edges).sum(0).to(torch.float32)      # deterministic, no atomics
-        m = float(sample.numel())
-        hist = torch.cat([(m - ge[:1]), ge[:-1] - ge[1:], ge[-1:]])
+        if on_cpu:
+            hist = torch.histogram(sample if finite_known else sample.nan_to_num(nan=-float("inf")),
+                                   bins=edges).hist
+        else:
+            ge = (sample.unsqueeze(1) >= edges[1:-1]).sum(0).to(torch.float32)     # deterministic, no atomics
+            m = float(sample.numel())
+            hist = torch.cat([(m - ge[:1]), ge[:-1] - ge[1:], ge[-1:]])
+        # the zero fraction is read on the host from the histogram's zero bin (|x| < 1e-6)
+        zero_frac = _const(NOT_APPLICABLE, xf.device)
         head = torch.stack([mean.to(torch.float32), std.to(torch.float32), absmax.to(torch.float32),
-                            zero_frac, dead, sat, nonfinite.to(torch.float32)])
+                            zero_frac, dead, sat, nonfinite])
         return torch.cat([head, hist]), new_last
+
+
+def norm32(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a float32 scalar, accumulated in at least float32 (any float dtype)."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(t, dtype=torch.float32)
+    return torch.linalg.vector_norm(t).to(torch.float32)
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
@@ -154,7 +198,7 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
                 vals = torch.stack(torch._foreach_norm(group))
             else:
-                vals = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in group])
+                vals = torch.stack([norm32(t) for t in group])
             out[torch.tensor(idx, device=device)] = vals.to(device=device, dtype=torch.float32)
     return out
 

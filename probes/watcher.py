@@ -82,6 +82,9 @@ class _StepState:
         self.runtime_seen: dict[tuple[int, str], int] = {}
         self.runtime_count: dict[tuple[int, str], int] = {}
         self.handles: list[Any] = []
+        self.measured: dict[tuple, int] = {}         # output tensor -> slot (shared by wrappers)
+        self.grad_targets: dict[tuple, list[int]] = {}
+        self.live = False               # real hooks attached (after the step's first forward)
 
 
 class Watcher:
@@ -121,6 +124,7 @@ class Watcher:
         self._runtime_findings: dict[str, Finding] = {}
         self._moved: dict[int, int] = {}
         self._signature: tuple | None = None
+        self._unit_dims: dict[tuple[int, int], int] = {}
         self._opt_handles: list[Any] = []
 
         self._writer = StoreWriter(self.store_path)
@@ -140,7 +144,7 @@ class Watcher:
         self._atexit = _atexit_closer(self)
         atexit.register(self._atexit)
         if self._policy.should_sample(0):
-            self._attach()
+            self._arm()
 
     # ===================================================================== public API
     @property
@@ -302,19 +306,37 @@ class Watcher:
         finally:
             self._probe_s += time.perf_counter() - t0
 
-    def _attach(self) -> None:
+    def _arm(self) -> None:
+        """Prepare a sampled step: only forward pre-hooks on the root and its children, which
+        attach the real hooks at the first forward of the step. Between steps (and so around
+        other models' forwards) no global hook exists."""
         st = self._state = _StepState()
         self._sampled = True
-        mod = torch.nn.modules.module
-        st.handles.append(mod.register_module_forward_pre_hook(self._on_pre_forward))
-        st.handles.append(mod.register_module_forward_hook(self._on_forward))
-        for t in self._structure.tensors:
-            tensor = t.tensor
-            if tensor is None or t.kind == "buffer" or measure_skip(tensor) or not tensor.requires_grad \
-                    or tensor.grad_fn is not None:
-                continue
-            with self._guard("attach"):
+        top = [n.module for n in self._structure.modules
+               if n.module is not None and (n.parent_id is None or n.parent_id == self._root_id)]
+        for module in top:
+            st.handles.append(module.register_forward_pre_hook(self._on_trigger))
+
+    def _on_trigger(self, module: nn.Module, args: Any) -> None:
+        st = self._state
+        if st is None or self._closed or st.live:
+            return
+        with self._guard("attach"):
+            for h in st.handles:
+                h.remove()
+            st.handles.clear()
+            st.live = True
+            mod = torch.nn.modules.module
+            st.handles.append(mod.register_module_forward_pre_hook(self._on_pre_forward))
+            st.handles.append(mod.register_module_forward_hook(self._on_forward))
+            for t in self._structure.tensors:
+                tensor = t.tensor
+                if tensor is None or t.kind == "buffer" or measure_skip(tensor) or not tensor.requires_grad \
+                        or tensor.grad_fn is not None:
+                    continue
                 st.handles.append(tensor.register_hook(functools.partial(self._on_grad, t.param_id)))
+        # the global pre-hook registered just now does not run for the call in progress
+        self._on_pre_forward(module, args)
 
     def _detach(self) -> None:
         st = self._state
@@ -371,26 +393,40 @@ class Watcher:
             x = measure.primary(tensors)
             if x is None:
                 return
+            st.order += 1
+            # wrappers (Sequential, the root, in-place activations' callers) often return the very
+            # tensor a child returned: measure it once and share the row
+            key = (id(x), x._version, x.data_ptr(), tuple(x.shape))
+            seen = st.measured.get(key)
+            if seen is not None and not tensors[1:]:
+                st.rows.setdefault(mid, []).append((seen, st.order, training, grad_on, x.numel()))
+                if key in st.grad_targets:
+                    st.grad_targets[key].append(mid)
+                return
             others = [t for t in tensors if t is not x]
-            udim = unit_dim(module, x.dim())
+            udim = self._unit_dims.get((mid, x.dim()))
+            if udim is None:
+                udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
             vec, last = measure.call_vector(
                 x, others, udim, self._sat.get(mid), self._last_active.get(mid), self._sample_index,
                 self.window, st.m.edges(x.device))
             if last is not None:
                 self._last_active[mid] = last
             slot = st.m.add(vec)
-            st.order += 1
+            st.measured[key] = slot
             st.rows.setdefault(mid, []).append((slot, st.order, training, grad_on, x.numel()))
             if grad_on and x.requires_grad:
-                x.register_hook(functools.partial(self._on_output_grad, st, mid))
+                st.grad_targets[key] = [mid]
+                x.register_hook(functools.partial(self._on_output_grad, st, key))
 
-    def _on_output_grad(self, st: _StepState, mid: int, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, st: _StepState, key: tuple, grad: torch.Tensor) -> None:
         if st is not self._state or self._closed:
             return
         with self._guard("output-grad-hook"):
-            if len(st.ograd.get(mid, ())) < MAX_CALLS_MEASURED:
-                norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
-                st.ograd.setdefault(mid, []).append(st.m.add(norm))
+            slot = st.m.add(measure.norm32(grad.detach()))
+            for mid in st.grad_targets.get(key, ()):
+                if len(st.ograd.get(mid, ())) < MAX_CALLS_MEASURED:
+                    st.ograd.setdefault(mid, []).append(slot)
 
     def _on_grad(self, tid: int, grad: torch.Tensor) -> None:
         st = self._state
@@ -403,7 +439,7 @@ class Watcher:
             node = self._tensor_nodes.get(tid)
             existing = node.tensor.grad if node is not None and node.tensor is not None else None
             if existing is not None and not existing.is_sparse:
-                st.stale[tid] = st.m.add(torch.linalg.vector_norm(existing.detach(), dtype=torch.float32))
+                st.stale[tid] = st.m.add(measure.norm32(existing.detach()))
 
     def _runtime_module(self, module: nn.Module, parent: int, st: _StepState) -> int:
         """A module executed inside the model but not reachable from it (closure, global, or
@@ -545,16 +581,11 @@ class Watcher:
         self._stepped.clear()
         self._step = step + 1
         self._probe_s = 0.0
-        nxt = self._policy.should_sample(self._step)
-        if sampled and nxt:              # keep the hooks, start a fresh state
-            handles = self._state.handles
-            self._state = _StepState()
-            self._state.handles = handles
-        elif sampled:
+        if sampled:
             self._detach()
             self._state = None
-        elif nxt:
-            self._attach()
+        if self._policy.should_sample(self._step):
+            self._arm()
         self._step_t0 = time.perf_counter()
 
     def _finish_sample(self, step: int) -> None:
@@ -617,6 +648,8 @@ class Watcher:
             agg[4] = vecs[-1][4]                                # dead over the window: latest
             agg[6] = sum(v[6] for v in vecs)                    # nonfinite count
             hist = [sum(v[k + j] for v in vecs) for j in range(len(vecs[0]) - k)]
+            total = sum(hist)
+            agg[3] = hist[measure.ZERO_BIN] / total if total else None
             og = [values[s][0] for s in st.ograd.get(mid, [])]
             sample = ModuleSample(
                 step=step, calls=st.calls.get(mid, len(rows)), numel=numel,

@@ -1,0 +1,297 @@
+"""Dashboard scale benchmark (issue "Overhead and scale v1", dashboard side).
+
+Generates a synthetic store (10,000 modules, 10,000 steps, findings spread over the tree),
+starts the real dashboard on it (``python app.py --run DIR``, live mode, polling) and
+measures in a real headless Chromium:
+
+  * time to first render of the overview and of the module tree,
+  * expanding a node, filtering the tree by name, opening a module's detail (p50/p95),
+  * the live-update round trip: a sample written to the store -> visible in the page,
+  * the dashboard process's peak RSS.
+
+    python bench/dashboard_scale.py                       # defaults below, ~2 minutes
+    python bench/dashboard_scale.py --modules 2000 --steps 2000 --repeat 5 --json out.json
+
+Store shape: every step has a loss row; every module has statistics every ``--stride``
+steps (a thinned history); ``--hot`` modules (along one branch of the tree) have statistics
+and activation histograms at every step, so their detail charts read 10,000 samples.
+Targets: first render <= 2 s, each interaction p95 <= 200 ms, live update <= 2 s, RSS <= 500 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "dashboard"), str(REPO / "tests" / "browser")]
+
+import psutil  # noqa: E402
+
+import synth_store  # noqa: E402  (tests/dashboard/synth_store.py: writes with the schema's DDL)
+from browser_helpers import CHROMEDRIVER, CHROMIUM, free_port  # noqa: E402
+
+TARGETS = {"first_render_s": 2.0, "interaction_p95_ms": 200.0, "live_update_s": 2.0, "rss_mb": 500.0}
+
+
+# -- the store ------------------------------------------------------------------------------------
+def build_store(path: Path, n_modules: int, n_steps: int, stride: int, n_hot: int) -> tuple:
+    t0 = time.perf_counter()
+    st = synth_store.big(path, n_modules=n_modules, steps=0, fanout=10, findings_every=97, hist=False,
+                         keep_open=True)
+    conn = st.conn
+    now = time.time()
+    conn.executemany("INSERT INTO steps VALUES (0, ?, ?, ?, 3.0, 0.02, 1)",
+                     ((s, now, 2.0 * math.exp(-s / (n_steps / 3)) + 0.05) for s in range(n_steps)))
+    # the hot branch: layers.0, layers.0.layers.0, ... (the first child at every level)
+    hot = [0]
+    while len(hot) < n_hot:
+        row = conn.execute("SELECT module_id FROM modules WHERE rank = 0 AND parent_id = ? ORDER BY module_id "
+                           "LIMIT 1", (hot[-1],)).fetchone()
+        if row is None:
+            break
+        hot.append(row[0])
+    hot_set = set(hot)
+    hists = st._hists[True]
+
+    def rows():
+        for mid in range(n_modules):
+            every = 1 if mid in hot_set else stride
+            for s in range(0, n_steps, every):
+                scale = 0.5 + 0.3 * math.sin(s / 150 + mid)
+                yield (0, mid, s, 1, 64, scale * 0.4, scale, scale * 3, 0.05, 0.05, 0.0, 0,
+                       0.01 / (1 + s) ** 0.5, 1, 1, hists[(s // 50 + mid) % 12] if mid in hot_set else None)
+    batch = []
+    for r in rows():
+        batch.append(r)
+        if len(batch) >= 200_000:
+            conn.executemany("INSERT INTO module_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             batch)
+            batch.clear()
+    if batch:
+        conn.executemany("INSERT INTO module_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", batch)
+    conn.execute("UPDATE ranks SET step = ?, samples_written = ? WHERE rank = 0", (n_steps - 1, n_steps))
+    conn.commit()
+    st.step = n_steps - 1
+    n_stats = conn.execute("SELECT COUNT(*) FROM module_stats").fetchone()[0]
+    return st, hot, n_stats, time.perf_counter() - t0
+
+
+# -- the browser ----------------------------------------------------------------------------------
+def make_driver():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--disable-dev-shm-usage", "--window-size=1500,1000",
+              f"--user-data-dir={tempfile.mkdtemp(prefix='modscope-bench-chrome-')}"):
+        opts.add_argument(a)
+    opts.binary_location = CHROMIUM
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+def until(driver, js: str, *args, timeout: float = 60.0) -> float:
+    """Seconds until the JS expression returns truthy (polled every 5 ms in the page)."""
+    t0 = time.perf_counter()
+    driver.set_script_timeout(timeout)
+    ok = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1]; const args = arguments;"
+        "const f = new Function('args', 'return (' + args[0] + ');');"
+        "const t = setInterval(() => { let v = false; try { v = f(args); } catch (e) {}"
+        " if (v) { clearInterval(t); done(true); } }, 5);", js, *args)
+    if not ok:
+        raise RuntimeError(f"never true: {js}")
+    return time.perf_counter() - t0
+
+
+def q(css: str) -> str:
+    return f"document.querySelector({json.dumps(css)})"
+
+
+def pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
+
+
+class RSSSampler(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", type=int, default=10_000)
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--stride", type=int, default=100, help="steps between samples of ordinary modules")
+    ap.add_argument("--hot", type=int, default=4, help="modules sampled at every step (one branch)")
+    ap.add_argument("--repeat", type=int, default=10, help="repetitions of each interaction")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--keep", help="write the store here (kept) instead of a temporary directory")
+    args = ap.parse_args(argv)
+
+    run_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="modscope-scale-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store_path = run_dir / "modscope.sqlite"
+    if store_path.exists():
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(store_path) + suffix).unlink(missing_ok=True)
+    print(f"building store: {args.modules:,} modules, {args.steps:,} steps ...", flush=True)
+    writer, hot, n_stats, build_s = build_store(store_path, args.modules, args.steps, args.stride, args.hot)
+    size_mb = store_path.stat().st_size / 2**20
+    print(f"  {n_stats:,} module_stats rows, {size_mb:.0f} MB, built in {build_s:.1f} s", flush=True)
+
+    port = free_port()
+    log = open(run_dir / "dashboard.log", "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--run", str(run_dir), "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit(f"dashboard did not start, see {run_dir / 'dashboard.log'}")
+            time.sleep(0.2)
+    rss = RSSSampler(server.pid)
+    rss.start()
+    driver = make_driver()
+    results: dict = {"modules": args.modules, "steps": args.steps, "module_stats_rows": n_stats,
+                     "store_mb": round(size_mb, 1)}
+    try:
+        # first render: overview (cards + loss curve), then the tree
+        t0 = time.perf_counter()
+        driver.get(url)
+        until(driver, f"{q('#ov-cards')} && {q('#ov-cards')}.innerText.includes('BigModel')"
+                      f" && {q('#ov-loss .scatterlayer .trace')}")
+        results["overview_first_render_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        driver.get(url + "modules")
+        until(driver, q(".tree-row[data-path='layers.0']"))
+        results["tree_first_render_s"] = time.perf_counter() - t0
+        results["tree_rows_rendered"] = driver.execute_script("return document.querySelectorAll('.tree-row').length")
+
+        # expand a node (and collapse it again)
+        expand = []
+        for i in range(args.repeat):
+            path = f"layers.{i % 10}"
+            child = f"{path}.layers.9"
+            driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(path)}] .tree-toggle')}.click()")
+            expand.append(until(driver, q(f".tree-row[data-path={json.dumps(child)}]")))
+            driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(path)}] .tree-toggle')}.click()")
+            until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
+
+        # filter by name (type + Enter), then clear
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+        filt = []
+        for i in range(args.repeat):
+            text = f"layers.{i % 10}.layers.{(i * 3) % 10}.layers"
+            box = driver.find_element(By.ID, "tree-search")
+            box.send_keys(Keys.CONTROL, "a")
+            t0 = time.perf_counter()
+            box.send_keys(text, Keys.ENTER)
+            until(driver, f"{q('#tree-info')}.innerText.includes('match') && "
+                          f"{q('.tree-row .tree-label')}.innerText.startsWith({json.dumps(text)})")
+            filt.append(time.perf_counter() - t0)
+        box = driver.find_element(By.ID, "tree-search")
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(Keys.DELETE, Keys.ENTER)
+        until(driver, q(".tree-row[data-path='layers.0']"))
+
+        # open a module's detail: alternate between hot modules (10k samples) and ordinary ones
+        hot_paths = [p for (p,) in writer.conn.execute(
+            f"SELECT path FROM modules WHERE module_id IN ({','.join('?' * len(hot))}) ORDER BY depth", hot)]
+        toggle0 = q(".tree-row[data-path='layers.0'] .tree-toggle")
+        driver.execute_script(f"{toggle0}.click()")
+        until(driver, q(".tree-row[data-path='layers.0.layers.9']"))
+        candidates = [hot_paths[1]] + [f"layers.0.layers.{i}" for i in range(1, 10)]
+        detail = []
+        for i in range(args.repeat):
+            path = candidates[i % len(candidates)]
+            sel = f".tree-row[data-path={json.dumps(path)}] .tree-label"
+            t0 = time.perf_counter()
+            driver.execute_script(f"{q(sel)}.click()")
+            until(driver, f"{q('#detail-header h2')} && {q('#detail-header h2')}.innerText === {json.dumps(path)}"
+                          f" && {q('#detail-activation .scatterlayer .trace')}"
+                          f" && document.querySelector('#detail-activation .js-plotly-plot').data[0].x.length > 0")
+            detail.append(time.perf_counter() - t0)
+        results["expand_ms"] = [round(x * 1000, 1) for x in expand]
+        results["filter_ms"] = [round(x * 1000, 1) for x in filt]
+        results["detail_ms"] = [round(x * 1000, 1) for x in detail]
+
+        # live update round trip: write one step (loss + the open module's sample) -> header shows it
+        driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(hot_paths[1])}] .tree-label')}.click()")
+        until(driver, f"{q('#detail-header h2')}.innerText === {json.dumps(hot_paths[1])}")
+        live = []
+        for _ in range(args.repeat):
+            step = writer.step + 1
+            time.sleep(0.37)   # de-phase from the 1 s polling interval
+            t0 = time.perf_counter()
+            writer.add_steps(1, modules=hot[:2])
+            until(driver, f"{q('#run-status')}.innerText.includes('step {step} ')"
+                          f" || {q('#run-status')}.innerText.endsWith('step {step}')")
+            live.append(time.perf_counter() - t0)
+        results["live_update_s"] = [round(x, 3) for x in live]
+        time.sleep(1.5)
+        results["detail_points_after_live"] = driver.execute_script(
+            "return document.querySelector('#detail-activation .js-plotly-plot').data[0].x.length")
+    finally:
+        driver.quit()
+        rss.stop.set()
+        rss.join(1)
+        server.terminate()
+        server.wait(15)
+        writer.close()
+        log.close()
+    results["dashboard_peak_rss_mb"] = round(rss.peak / 2**20, 1)
+
+    summary = {
+        "overview first render (s)": (results["overview_first_render_s"], TARGETS["first_render_s"]),
+        "tree first render (s)": (results["tree_first_render_s"], TARGETS["first_render_s"]),
+        "expand node p95 (ms)": (pct(results["expand_ms"], 95), TARGETS["interaction_p95_ms"]),
+        "filter by name p95 (ms)": (pct(results["filter_ms"], 95), TARGETS["interaction_p95_ms"]),
+        "open module detail p95 (ms)": (pct(results["detail_ms"], 95), TARGETS["interaction_p95_ms"]),
+        "live update p95 (s)": (pct(results["live_update_s"], 95), TARGETS["live_update_s"]),
+        "dashboard peak RSS (MB)": (results["dashboard_peak_rss_mb"], TARGETS["rss_mb"]),
+    }
+    print(f"\nstore: {args.modules:,} modules, {args.steps:,} steps, {n_stats:,} module_stats rows, "
+          f"{size_mb:.0f} MB; tree rows rendered at first view: {results['tree_rows_rendered']}")
+    print(f"{'measure':32s} {'value':>10s} {'target':>10s}  ok")
+    for name, (value, target) in summary.items():
+        print(f"{name:32s} {value:10.3f} {target:10.3f}  {'yes' if value <= target else 'NO'}")
+    print(f"medians: expand {statistics.median(results['expand_ms']):.0f} ms, filter "
+          f"{statistics.median(results['filter_ms']):.0f} ms, detail {statistics.median(results['detail_ms']):.0f} ms, "
+          f"live {statistics.median(results['live_update_s']):.2f} s")
+    results["summary"] = {k: {"value": v, "target": t, "ok": v <= t} for k, (v, t) in summary.items()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if all(v <= t for v, t in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
