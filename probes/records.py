@@ -131,3 +131,19 @@ def _clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+def thin_ops(rank: int, cutoff: int, bucket: int) -> list[Op]:
+    """Thin samples older than ``cutoff`` to the first sampled step of every ``bucket`` steps;
+    unsampled step rows (the loss curve) likewise keep the first step of every bucket."""
+    kept = ("SELECT MIN(step) FROM steps WHERE rank=? AND sampled=1 AND step<? GROUP BY step / ?")
+    ops: list[Op] = []
+    for table in ("module_stats", "param_stats"):
+        ops.append((f"DELETE FROM {table} WHERE rank=? AND step<? AND step NOT IN ({kept})",
+                    [(rank, cutoff, rank, cutoff, bucket)]))
+    ops.append(("DELETE FROM steps WHERE rank=? AND step<? AND sampled=1 AND step NOT IN (" + kept + ")",
+                [(rank, cutoff, rank, cutoff, bucket)]))
+    ops.append(("DELETE FROM steps WHERE rank=? AND step<? AND sampled=0 AND step NOT IN "
+                "(SELECT MIN(step) FROM steps WHERE rank=? AND sampled=0 AND step<? GROUP BY step / ?)",
+                [(rank, cutoff, rank, cutoff, bucket)]))
+    return ops

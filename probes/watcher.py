@@ -9,6 +9,7 @@ an exception is counted, stored and never reaches the training loop.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import json
@@ -38,6 +39,11 @@ from .structure import (ModelStructure, ModuleNode, build_structure, is_mode_sen
                         subtree_has_state_or_modes, unit_dim)
 
 _DEBUG = os.environ.get("MODSCOPE_DEBUG") == "1"    # re-raise probe errors (development only)
+# Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples
+# (and older unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
+THIN_RECENT = 1000
+THIN_OLD = 1000
+THIN_EVERY = 250              # sampled steps between thinning passes (run by the writer thread)
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
 
 
@@ -125,6 +131,7 @@ class Watcher:
         self._moved: dict[int, int] = {}
         self._signature: tuple | None = None
         self._unit_dims: dict[tuple[int, int], int] = {}
+        self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._opt_handles: list[Any] = []
 
         self._writer = StoreWriter(self.store_path)
@@ -607,6 +614,11 @@ class Watcher:
                     st.update_slots[tid] = (slot, pos)
         values = st.m.fetch()                       # the one host copy of this step
         self._sample_index += 1
+        self._recent_samples.append(step)
+        if self._sample_index % THIN_EVERY == 0 and len(self._recent_samples) >= THIN_RECENT:
+            cutoff = self._recent_samples[-THIN_RECENT]
+            bucket = max(1, -(-cutoff // THIN_OLD))
+            self._writer.submit(records.thin_ops(self.rank, cutoff, bucket), droppable=False)
         msamples = self._module_samples(step, st, values)
         tsamples = self._tensor_samples(step, st, values)
         self._detectors.observe({m: s for m, (s, _) in msamples.items()}, tsamples)

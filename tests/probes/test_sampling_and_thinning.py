@@ -1,0 +1,76 @@
+"""The overhead budget and the store's thinning, checked by their behaviour."""
+import sqlite3
+
+import pytest
+import torch
+
+import probes
+import zoo
+from helpers import train
+from probes import watcher as watcher_mod
+from probes.sampling import MAX_INTERVAL, SamplingPolicy
+
+
+def feed(policy, plain_ms, sampled_ms, probe_ms, steps):
+    sampled_steps = []
+    for step in range(steps):
+        s = policy.should_sample(step)
+        if s:
+            sampled_steps.append(step)
+        policy.observe(step, sampled_ms if s else plain_ms, probe_ms if s else 0.0, s)
+    return sampled_steps
+
+
+def test_budget_chooses_the_interval_from_measured_cost():
+    p = SamplingPolicy(every=None, overhead=0.01)
+    sampled = feed(p, plain_ms=100.0, sampled_ms=110.0, probe_ms=5.0, steps=400)
+    # a sampled step costs 10 ms more than a 100 ms step: 1% needs one sample every 10 steps
+    assert p.interval == 10
+    assert sampled[0] == 0
+    assert p.overhead() == pytest.approx(0.01)
+    gaps = {b - a for a, b in zip(sampled[3:], sampled[4:])}
+    assert gaps == {10}
+
+
+def test_budget_adapts_when_sampling_gets_expensive():
+    p = SamplingPolicy(every=None, overhead=0.01)
+    feed(p, 100.0, 150.0, 40.0, 300)
+    assert p.interval == 50
+    p2 = SamplingPolicy(every=None, overhead=0.05)
+    feed(p2, 100.0, 150.0, 40.0, 300)
+    assert p2.interval == 10                  # a bigger budget samples more often
+
+
+def test_interval_is_capped_and_fixed_every_is_respected():
+    p = SamplingPolicy(every=None, overhead=0.01)
+    feed(p, 1.0, 1000.0, 999.0, 3000)
+    assert p.interval == MAX_INTERVAL
+    fixed = SamplingPolicy(every=3, overhead=None)
+    assert feed(fixed, 1.0, 100.0, 99.0, 10) == [0, 3, 6, 9]
+
+
+def test_every_one_reports_overhead_from_probe_time():
+    p = SamplingPolicy(every=1, overhead=None)
+    feed(p, 100.0, 120.0, 20.0, 10)
+    assert p.overhead() == pytest.approx(20.0 / 100.0)
+
+
+def test_long_runs_are_thinned(run_dir, monkeypatch):
+    monkeypatch.setattr(watcher_mod, "THIN_RECENT", 20)
+    monkeypatch.setattr(watcher_mod, "THIN_OLD", 10)
+    monkeypatch.setattr(watcher_mod, "THIN_EVERY", 10)
+    model = zoo.MLP(din=4, hidden=8, dout=2, depth=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 300, lambda: (x, y))
+    con = sqlite3.connect(w.store_path)
+    sampled = [r[0] for r in con.execute("SELECT DISTINCT step FROM module_stats ORDER BY step")]
+    assert len(sampled) <= 20 + 10 + 10 + 2            # recent window + thinned history (+ one pass of slack)
+    assert sampled[-20:] == list(range(280, 300))            # the recent window is whole
+    assert sampled[0] == 0                               # the oldest history stays represented
+    steps = [r[0] for r in con.execute("SELECT step FROM steps ORDER BY step")]
+    assert len(steps) < 300 and steps[0] == 0 and steps[-1] == 299
+    # every module row of a kept step is still complete
+    per_step = {r[0] for r in con.execute("SELECT COUNT(*) FROM module_stats GROUP BY step")}
+    assert len(per_step) == 1
