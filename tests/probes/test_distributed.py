@@ -1,0 +1,57 @@
+"""Two DDP ranks (gloo, CPU) watch their model into one shared store; every row has its rank."""
+import os
+import socket
+import sqlite3
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, run_dir: str) -> None:
+    sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
+    import probes
+    import zoo
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(zoo.XORClassifier())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        X, y = zoo.xor_data(128, seed=rank)
+        with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+            for _ in range(5):
+                loss = F.cross_entropy(model(X), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_share_one_store(tmp_path):
+    run_dir = tmp_path / "ddp"
+    mp.spawn(_worker, args=(2, _free_port(), str(run_dir)), nprocs=2, join=True)
+    con = sqlite3.connect(run_dir / "modscope.sqlite")
+    assert con.execute("SELECT rank, world_size, status FROM ranks ORDER BY rank").fetchall() == [
+        (0, 2, "closed"), (1, 2, "closed")]
+    assert con.execute("SELECT rank, COUNT(*) FROM steps GROUP BY rank").fetchall() == [(0, 5), (1, 5)]
+    for table in ("modules", "params", "module_stats", "param_stats", "findings"):
+        ranks = {r[0] for r in con.execute(f"SELECT DISTINCT rank FROM {table}")}
+        assert ranks == {0, 1}, table
+    paths = {r[0] for r in con.execute(
+        "SELECT path FROM findings WHERE rank=1 AND code='unregistered-module' AND active=1")}
+    assert paths == {"module.encoder.blocks[0]", "module.encoder.blocks[1]", "module.encoder.blocks[2]"}
