@@ -58,19 +58,13 @@ CMP_KEYS = "cmp-keys"
 CMP_MODULES = "cmp-modules"
 CMP_CHANGED_ONLY = "cmp-changed-only"
 
-# pattern-matching types
-TREE_TOGGLE = "tree-toggle"
-TREE_NODE = "tree-node"
-FINDING_ITEM = "finding-item"
+# Clicks on tree rows and findings: rows carry data-action / data-mid attributes and
+# assets/modscope.js writes {"action", "id", "t"} into this store (one listener for the
+# whole page instead of one pattern-matching callback input per row, which made
+# rendering large trees slow).
+UI_CLICK = "ui-click"
 
 
-def tree_toggle(module_id: int) -> dict:
-    return {"type": TREE_TOGGLE, "id": module_id}
-
-
-def tree_node(module_id: int) -> dict:
-    return {"type": TREE_NODE, "id": module_id}
-
-
-def finding_item(module_id: int, index: int) -> dict:
-    return {"type": FINDING_ITEM, "id": module_id, "i": index}
+def click_attrs(action: str, module_id) -> dict:
+    """Attributes that make a component clickable: action 'toggle' | 'select' | 'open'."""
+    return {"data-action": action, "data-mid": "" if module_id is None else str(module_id)}

@@ -168,6 +168,7 @@ def shell_layout(config: AppConfig) -> html.Div:
         dcc.Store(id=ids.TICK, data=tick),
         dcc.Store(id=ids.SELECTED, data=None),
         dcc.Store(id=ids.EXPANDED, data=None),
+        dcc.Store(id=ids.UI_CLICK, data=None),
         header,
         html.Div(id=ids.BANNER, className="banner", children=_banner(tick, config)),
         html.Main(id=ids.PAGE, className="page"),

@@ -3,13 +3,12 @@ Clicking one selects its module and opens the Modules page."""
 
 from __future__ import annotations
 
-from dash import ALL, Input, Output, State, ctx, dcc, html
+from dash import Input, Output, dcc, html
 from dash.exceptions import PreventUpdate
 
 from .. import ids
 from ..components import evidence_block, message, severity_pill
 from ..data import SEVERITIES, StoreError, StoreNotReady
-from .modules import select_module
 
 
 def layout(config) -> html.Div:
@@ -40,7 +39,7 @@ def finding_list(items: list[dict], severities: list[str]) -> list:
             html.Div(f["message"], className="finding-message"),
             html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
             evidence_block(f.get("evidence")),
-        ], id=ids.finding_item(mid, i), n_clicks=0, title="click to show this module",
+        ], title="click to show this module", **ids.click_attrs("open", mid),
             className=f"finding clickable sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")))
     return out
 
@@ -67,24 +66,3 @@ def register(app, config) -> None:
         except StoreError as exc:
             return [message(str(exc), "bad")]
         return finding_list(items, severities or [])
-
-    @app.callback(Output(ids.SELECTED, "data", allow_duplicate=True),
-                  Output(ids.EXPANDED, "data", allow_duplicate=True),
-                  Output(ids.URL, "pathname"),
-                  Input({"type": ids.FINDING_ITEM, "id": ALL, "i": ALL}, "n_clicks"),
-                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
-    def open_module(clicks, expanded, rank):
-        trig = ctx.triggered_id
-        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
-            raise PreventUpdate
-        mid = trig["id"]
-        if mid is None or mid < 0:
-            raise PreventUpdate
-
-        def default(r):
-            try:
-                return store.default_expanded(r)
-            except StoreError:
-                return []
-        sel, exp = select_module(store, rank or 0, mid, expanded, default)
-        return sel, exp, "/modules"

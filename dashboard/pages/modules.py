@@ -8,7 +8,7 @@ capped result list instead of the tree.
 from __future__ import annotations
 
 
-from dash import ALL, Input, Output, Patch, State, ctx, dcc, html, no_update
+from dash import Input, Output, Patch, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from .. import figures, ids
@@ -55,15 +55,15 @@ def layout(config) -> html.Div:
 def tree_row(m: dict, *, expanded: bool, selected: bool, badges: list, inside: dict | None,
              show_path: bool = False) -> html.Div:
     has_children = m["n_children"] > 0
-    toggle = (html.Span("▾" if expanded else "▸", id=ids.tree_toggle(m["module_id"]), n_clicks=0,
-                        className="tree-toggle", title="collapse" if expanded else "expand")
+    toggle = (html.Span("▾" if expanded else "▸", className="tree-toggle", title="collapse" if expanded else "expand",
+                        **ids.click_attrs("toggle", m["module_id"]))
               if has_children and not show_path else html.Span(className="tree-toggle-space"))
     label = (m["path"] or "(root)") if show_path else (m["name"] or m["type"])
     cls = f"tree-row kind-{m['kind']}" + (" selected" if selected else "")
     return html.Div([
         toggle,
-        html.Span(label, id=ids.tree_node(m["module_id"]), n_clicks=0, className="tree-label mono",
-                  title=m["path"] or "(root)"),
+        html.Span(label, className="tree-label mono", title=m["path"] or "(root)",
+                  **ids.click_attrs("select", m["module_id"])),
         html.Span(m["type"], className="tree-type") if m["path"] or show_path else None,
         kind_badge(m["kind"]),
         *badges,
@@ -228,29 +228,12 @@ def register(app, config) -> None:
             return [message(str(exc), "bad")], "", None
         return rows, info, {"struct": struct}
 
-    @app.callback(Output(ids.EXPANDED, "data"),
-                  Input({"type": ids.TREE_TOGGLE, "id": ALL}, "n_clicks"),
-                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
-    def toggle(clicks, expanded, rank):
-        trig = ctx.triggered_id
-        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
-            raise PreventUpdate
-        exp = list(expanded) if isinstance(expanded, list) else _default_expanded(rank or 0)
-        mid = trig["id"]
-        if mid in exp:
-            exp.remove(mid)
-        else:
-            exp.append(mid)
-        return exp
-
-    @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data", allow_duplicate=True),
-                  Input({"type": ids.TREE_NODE, "id": ALL}, "n_clicks"),
-                  State(ids.EXPANDED, "data"), State(ids.RANK, "value"), prevent_initial_call=True)
-    def select(clicks, expanded, rank):
-        trig = ctx.triggered_id
-        if not isinstance(trig, dict) or not any(t.get("value") for t in ctx.triggered):
-            raise PreventUpdate
-        return select_module(store, rank or 0, trig["id"], expanded, _default_expanded)
+    @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
+                  Input(ids.UI_CLICK, "data"), State(ids.SELECTED, "data"), State(ids.EXPANDED, "data"),
+                  State(ids.RANK, "value"), prevent_initial_call=True)
+    def on_click(click, selected, expanded, rank):
+        """Tree toggles, tree selections and findings (which open their module)."""
+        return handle_click(store, click, expanded, rank or 0, _default_expanded)
 
     @app.callback(
         Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
@@ -272,6 +255,27 @@ def register(app, config) -> None:
         except StoreError as exc:
             return ([message(str(exc), "bad")], None, {"display": "none"}, no_update, no_update, no_update,
                     no_update, None, None)
+
+
+def handle_click(store, click, expanded, rank: int, default_expanded):
+    """(selected, expanded, pathname) for one click from assets/modscope.js."""
+    if not isinstance(click, dict) or click.get("action") not in ("toggle", "select", "open"):
+        raise PreventUpdate
+    try:
+        mid = int(click.get("id"))
+    except (TypeError, ValueError):
+        raise PreventUpdate from None
+    if mid < 0:
+        raise PreventUpdate
+    if click["action"] == "toggle":
+        exp = list(expanded) if isinstance(expanded, list) else default_expanded(rank)
+        if mid in exp:
+            exp.remove(mid)
+        else:
+            exp.append(mid)
+        return no_update, exp, no_update
+    sel, exp = select_module(store, rank, mid, expanded, default_expanded)
+    return sel, exp, "/modules" if click["action"] == "open" else no_update
 
 
 def select_module(store, rank: int, module_id: int, expanded, default_expanded):

@@ -83,8 +83,7 @@ def top_findings(items: list[dict], total: int | None = None) -> list:
         out.append(html.Div([
             severity_pill(f["severity"], f["code"]),
             html.Div(f["path"] or "(root)", className="mono path"),
-        ], id=ids.finding_item(f["module_id"] if f["module_id"] is not None else -1, i),
-            n_clicks=0, className=f"top-finding clickable sev-border-{f['severity']}",
+        ], **ids.click_attrs("open", f["module_id"]), className=f"top-finding clickable sev-border-{f['severity']}",
             title="show this module"))
     total = len(items) if total is None else total
     if total > TOP_FINDINGS:

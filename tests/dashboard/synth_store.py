@@ -202,7 +202,7 @@ def demo(path: Path, *, fixed: bool = False, steps: int = 30, live: bool = False
 
 
 def big(path: Path, *, n_modules: int = 10000, steps: int = 20, fanout: int = 10,
-        findings_every: int = 97, hist: bool = True) -> SynthStore:
+        findings_every: int = 97, hist: bool = True, keep_open: bool = False) -> SynthStore:
     """A tree of ``n_modules`` modules (``fanout`` children per node), findings spread over it."""
     st = SynthStore(path, run_name="big", model_class="BigModel")
     st.add_module("", None, "", "BigModel", params=n_modules * 10)
@@ -227,5 +227,6 @@ def big(path: Path, *, n_modules: int = 10000, steps: int = 20, fanout: int = 10
     st.commit()
     if steps:
         st.add_steps(steps, hist=hist)
-    st.close()
+    if not keep_open:
+        st.close()
     return st
