@@ -200,9 +200,13 @@ def main(argv=None) -> int:
         for i in range(args.repeat):
             path = f"layers.{i % 10}"
             child = f"{path}.layers.9"
-            driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(path)}] .tree-toggle')}.click()")
+            toggle = q(f".tree-row[data-path={json.dumps(path)}] .tree-toggle")
+            if driver.execute_script(f"return {toggle}.textContent") == "▾":   # opened by default: close first
+                driver.execute_script(f"{toggle}.click()")
+                until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
+            driver.execute_script(f"{toggle}.click()")
             expand.append(until(driver, q(f".tree-row[data-path={json.dumps(child)}]")))
-            driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(path)}] .tree-toggle')}.click()")
+            driver.execute_script(f"{toggle}.click()")
             until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
 
         # filter by name (type + Enter), then clear
@@ -227,7 +231,8 @@ def main(argv=None) -> int:
         hot_paths = [p for (p,) in writer.conn.execute(
             f"SELECT path FROM modules WHERE module_id IN ({','.join('?' * len(hot))}) ORDER BY depth", hot)]
         toggle0 = q(".tree-row[data-path='layers.0'] .tree-toggle")
-        driver.execute_script(f"{toggle0}.click()")
+        if driver.execute_script(f"return {toggle0}.textContent") == "▸":
+            driver.execute_script(f"{toggle0}.click()")
         until(driver, q(".tree-row[data-path='layers.0.layers.9']"))
         candidates = [hot_paths[1]] + [f"layers.0.layers.{i}" for i in range(1, 10)]
         detail = []

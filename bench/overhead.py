@@ -99,9 +99,9 @@ class Harness:
         elif config == "wandb":
             import wandb
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb_run = wandb.init(mode="offline", dir=str(workdir), project="modscope-bench",
-                                        reinit="create_new" if hasattr(wandb, "Run") else True)
-            self.wandb_run.watch(self.model, log="all", log_freq=1)
+            workdir.mkdir(parents=True, exist_ok=True)
+            self.wandb_run = wandb.init(mode="offline", dir=str(workdir), project="modscope-bench")
+            wandb.watch(self.model, log="all", log_freq=1)     # wandb.watch logs through the global run
         self.n = 0
 
     def step(self) -> None:
@@ -132,7 +132,7 @@ class Harness:
         if self.tb is not None:
             self.tb.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish(quiet=True)
+            self.wandb_run.finish()
 
 
 def available(config: str) -> bool:

@@ -62,9 +62,9 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
                                                         "in_optimizer": t.in_optimizer}, step=step))
             elif s.n_optimizers and not t.in_optimizer:
                 out.append(F.make("not-in-optimizer", t.path,
-                                  f"{t.path} requires grad and gets gradients, but no param group of the "
-                                  "watched optimizer(s) holds it (membership is by object identity), so "
-                                  "optimizer.step() never updates it and zero_grad() never clears it.",
+                                  f"{t.path} requires grad, but no param group of the watched optimizer(s) "
+                                  "holds it (membership is by object identity): its gradient is computed, "
+                                  "but optimizer.step() never updates it and zero_grad() never clears it.",
                                   evidence={"shape": t.shape, "numel": t.numel}, step=step))
             if t.aliases:
                 out.append(F.make("shared-parameter", t.path,

@@ -73,9 +73,12 @@ def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[Te
     return ops
 
 
+_STEP_SQL = upsert_sql("steps", STEP_COLS, ("rank", "step"))
+
+
 def step_op(rank: int, step: int, wall_time: float, step_ms: float | None, probe_ms: float | None,
             sampled: bool) -> Op:
-    return (upsert_sql("steps", STEP_COLS, ("rank", "step")),
+    return (_STEP_SQL,
             [(rank, step, wall_time, finite_or_none(step_ms), finite_or_none(probe_ms), int(sampled))])
 
 

@@ -21,6 +21,8 @@ from .schema import DDL, SCHEMA_VERSION, TABLES
 Op = tuple[str, Sequence[Sequence[Any]]]      # (sql, rows) for executemany
 
 _SENTINEL = object()
+FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
+WAKE_AT = 64              # queued items that wake the writer early
 
 
 class StoreError(RuntimeError):
@@ -81,7 +83,8 @@ class StoreWriter:
         except queue.Full:
             self.dropped += 1
             return False
-        self._wake.set()
+        if self._queue.qsize() >= WAKE_AT:      # otherwise the writer's timer (FLUSH_INTERVAL) picks it up:
+            self._wake.set()                    # fewer, larger transactions and no wake-up per step
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -114,7 +117,7 @@ class StoreWriter:
         stop = False
         try:
             while not stop:
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=FLUSH_INTERVAL)
                 self._wake.clear()
                 batch: list[list[Op]] = []
                 events: list[threading.Event] = []

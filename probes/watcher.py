@@ -44,6 +44,7 @@ _DEBUG = os.environ.get("MODSCOPE_DEBUG") == "1"    # re-raise probe errors (dev
 THIN_RECENT = 1000
 THIN_OLD = 1000
 THIN_EVERY = 250              # sampled steps between thinning passes (run by the writer thread)
+REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
 
 
@@ -287,17 +288,17 @@ class Watcher:
         return out
 
     def _compute_signature(self, model: nn.Module) -> tuple:
+        """Changes when parameters are replaced, materialised (lazy) or the optimizer's groups change."""
         from .structure import is_uninitialized
         params = tuple((id(p), is_uninitialized(p)) for p in model.parameters())
         opt = tuple(id(p) for o in self._optimizers for g in o.param_groups for p in g["params"])
-        return (params, opt, len(self._structure.modules) if hasattr(self, "_structure") else 0)
+        return (params, opt)
 
     def _maybe_rebuild(self) -> None:
         model = self._model_ref()
         if model is None:
             return
-        sig = self._compute_signature(model)
-        if sig[:2] != (self._signature or (None, None))[:2]:
+        if self._compute_signature(model) != self._signature or self._sample_index % REBUILD_EVERY == 0:
             self._build(model)
 
     # ===================================================================== hooks
@@ -719,9 +720,15 @@ class Watcher:
                 mid = self._root_id
             new[f.key] = (f, mid, first)
         with self._lock:
-            resolved = [k for k in self._active if k not in new]
+            old = self._active
+            resolved = [k for k in old if k not in new]
             self._active = new
-        self._writer.submit(records.findings_ops(self.rank, new.values(), resolved, step), droppable=False)
+        # only new or changed findings are rewritten; the others just get their last_step moved
+        changed = [v for k, v in new.items() if k not in old or old[k][0].message != v[0].message
+                   or old[k][0].evidence != v[0].evidence or old[k][1] != v[1]]
+        ops = records.findings_ops(self.rank, changed, resolved, step)
+        ops.append(("UPDATE findings SET last_step=? WHERE rank=? AND active=1", [(step, self.rank)]))
+        self._writer.submit(ops, droppable=False)
 
     # ===================================================================== misc
     def _record_loss(self, step: int, loss: Any) -> None:
