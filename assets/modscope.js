@@ -17,3 +17,51 @@ document.addEventListener("click", function (e) {
     t: Date.now()
   }});
 });
+
+// 3. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);
+//    this draws it. Every string goes through textContent / setAttribute, never innerHTML.
+(function () {
+  function span(cls, text, attrs) {
+    var el = document.createElement("span");
+    if (cls) { el.className = cls; }
+    if (text) { el.textContent = text; }
+    if (attrs) { for (var k in attrs) { if (attrs[k] !== undefined && attrs[k] !== null) { el.setAttribute(k, attrs[k]); } } }
+    return el;
+  }
+  function row(r) {
+    var div = document.createElement("div");
+    div.className = "tree-row kind-" + r.kind + (r.selected ? " selected" : "");
+    div.setAttribute("data-path", r.path);
+    div.setAttribute("data-kind", r.kind);
+    div.style.paddingLeft = r.indent + "rem";
+    if (r.toggle) {
+      div.appendChild(span("tree-toggle", r.toggle, {"data-action": "toggle", "data-mid": String(r.id),
+        "title": r.toggle === "▾" ? "collapse" : "expand"}));
+    } else {
+      div.appendChild(span("tree-toggle-space"));
+    }
+    div.appendChild(span("tree-label mono", r.label, {"data-action": "select", "data-mid": String(r.id),
+      "title": r.path || "(root)"}));
+    if (r.type) { div.appendChild(span("tree-type", r.type)); }
+    if (r.kind !== "registered") { div.appendChild(span("badge kind-" + r.kind, r.kind, {"title": r.kind_title})); }
+    (r.badges || []).forEach(function (b) {
+      div.appendChild(span("badge sev-" + b.sev, b.label, {"title": b.code + " (" + b.sev + ")"}));
+    });
+    if (r.inside) { div.appendChild(span("inside sev-" + r.inside.sev, r.inside.text)); }
+    div.appendChild(span("tree-params", r.params,
+      {"title": "parameters in the subtree: total · trainable · held by the optimizer"}));
+    return div;
+  }
+  window.dash_clientside = window.dash_clientside || {};
+  window.dash_clientside.modscope = Object.assign({}, window.dash_clientside.modscope, {
+    renderTree: function (data) {
+      var box = document.getElementById("tree");
+      if (!box || !data) { return window.dash_clientside.no_update; }
+      var frag = document.createDocumentFragment();
+      (data.rows || []).forEach(function (r) { frag.appendChild(row(r)); });
+      if (data.message) { frag.appendChild(span("message muted", data.message)); }
+      box.replaceChildren(frag);
+      return window.dash_clientside.no_update;
+    }
+  });
+})();

@@ -67,15 +67,6 @@ def severity_pill(severity: str, text: str | None = None) -> html.Span:
     return html.Span([SEVERITY_ICONS[sev], " ", text or sev], className=f"pill sev-{sev}")
 
 
-def subtree_pill(counts: dict) -> html.Span | None:
-    parts = [f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}" for s in ("error", "warning", "info")
-             if counts.get(s)]
-    if not parts:
-        return None
-    worst = next(s for s in ("error", "warning", "info") if counts.get(s))
-    return html.Span(", ".join(parts) + " inside", className=f"inside sev-{worst}")
-
-
 def params_text(m: dict) -> str:
     total, trainable, in_opt = m.get("params_total", 0), m.get("params_trainable", 0), \
         m.get("params_in_optimizer", 0)

@@ -36,6 +36,7 @@ TREE_SEARCH = "tree-search"
 TREE_FILTER = "tree-filter"
 TREE_INFO = "tree-info"
 TREE_STATE = "tree-state"
+TREE_DATA = "tree-data"     # rows of the visible tree (plain data, drawn by assets/modscope.js)
 DETAIL = "detail"
 DETAIL_HEADER = "detail-header"
 DETAIL_FINDINGS = "detail-findings"

@@ -27,7 +27,7 @@ def esc(x) -> str:
 
 
 def _fig_html(fig, div_id: str) -> str:
-    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, validate=False,
                        config={"displaylogo": False, "responsive": True})
 
 

@@ -7,13 +7,12 @@ capped result list instead of the tree.
 
 from __future__ import annotations
 
-
-from dash import Input, Output, Patch, State, ctx, dcc, html, no_update
+from dash import ClientsideFunction, Input, Output, Patch, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from .. import figures, ids
-from ..components import (badge, code_label, evidence_block, finding_badges, kind_badge, message,
-                          params_text, severity_pill, subtree_pill, table)
+from ..components import (code_label, evidence_block, finding_badges, kind_badge, message, params_text,
+                          severity_pill, table)
 from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
 
 MAX_VISIBLE_ROWS = 2000
@@ -27,13 +26,14 @@ def layout(config) -> html.Div:
     return html.Div([
         html.Div([
             html.Div([
-                dcc.Input(id=ids.TREE_SEARCH, type="search", placeholder="Search name or type…",
-                          debounce=0.3, className="search", autoComplete="off"),
+                dcc.Input(id=ids.TREE_SEARCH, type="search", placeholder="Search name or type, Enter",
+                          debounce=True, className="search", autoComplete="off"),
                 dcc.Dropdown(id=ids.TREE_FILTER, placeholder="Filter by finding", clearable=True,
                              className="filter", style={"width": "45%", "minWidth": "180px"}),
             ], className="tree-tools"),
             html.Div(id=ids.TREE_INFO, className="tree-info"),
-            html.Div(id=ids.TREE, className="tree"),
+            html.Div(id=ids.TREE, className="tree"),     # rows drawn by assets/modscope.js
+            dcc.Store(id=ids.TREE_DATA, data=None),
             dcc.Store(id=ids.TREE_STATE, data=None),
         ], className="panel tree-panel"),
         html.Div([
@@ -51,73 +51,85 @@ def layout(config) -> html.Div:
     ], className="modules")
 
 
-# -- tree rendering (pure given the data) ----------------------------------------------------------
-def tree_row(m: dict, *, expanded: bool, selected: bool, badges: list, inside: dict | None,
-             show_path: bool = False) -> html.Div:
-    has_children = m["n_children"] > 0
-    toggle = (html.Span("▾" if expanded else "▸", className="tree-toggle", title="collapse" if expanded else "expand",
-                        **ids.click_attrs("toggle", m["module_id"]))
-              if has_children and not show_path else html.Span(className="tree-toggle-space"))
-    label = (m["path"] or "(root)") if show_path else (m["name"] or m["type"])
-    cls = f"tree-row kind-{m['kind']}" + (" selected" if selected else "")
-    return html.Div([
-        toggle,
-        html.Span(label, className="tree-label mono", title=m["path"] or "(root)",
-                  **ids.click_attrs("select", m["module_id"])),
-        html.Span(m["type"], className="tree-type") if m["path"] or show_path else None,
-        kind_badge(m["kind"]),
-        *badges,
-        subtree_pill(inside) if inside and not expanded and has_children else None,
-        html.Span(params_text(m), className="tree-params",
-                  title="parameters in the subtree: total · trainable · held by the optimizer"),
-    ], className=cls, style={"paddingLeft": f"{0.4 + (0 if show_path else m['depth']) * 1.1}rem"},
-        **{"data-path": m["path"], "data-kind": m["kind"]})
+# -- tree rendering ---------------------------------------------------------------------------------
+# The server sends plain row data (small JSON); assets/modscope.js (renderTree) draws the rows with
+# textContent, never HTML. Drawing hundreds of rows as Dash components took ~3 ms per row.
+KIND_TITLES = {"unregistered": "not in model.modules(): reachable through Python attributes only",
+               "runtime": "executed in forward but not reachable through attributes"}
 
 
-def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> tuple[list, str]:
+def tree_row(m: dict, *, expanded: bool, selected: bool, findings: list[dict], inside: dict | None,
+             show_path: bool = False) -> dict:
+    """Everything one tree row shows, as plain data (pure)."""
+    has_children = m["n_children"] > 0 and not show_path
+    seen = {"unregistered-module"} if m["kind"] == "unregistered" else set()
+    badges = []
+    for f in findings:
+        if f["code"] not in seen:
+            seen.add(f["code"])
+            badges.append({"label": code_label(f["code"]), "sev": f["severity"], "code": f["code"]})
+    pill = subtree_pill(inside) if inside and has_children and not expanded else None
+    return {
+        "id": m["module_id"], "path": m["path"], "kind": m["kind"],
+        "label": (m["path"] or "(root)") if show_path else (m["name"] or m["type"]),
+        "type": m["type"] if (m["path"] or show_path) else "",
+        "toggle": ("▾" if expanded else "▸") if has_children else "",
+        "selected": selected,
+        "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
+        "kind_title": KIND_TITLES.get(m["kind"], ""),
+        "badges": badges,
+        "inside": pill,
+        "params": params_text(m),
+    }
+
+
+def subtree_pill(counts: dict) -> dict | None:
+    parts = [f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}" for s in ("error", "warning", "info")
+             if counts.get(s)]
+    if not parts:
+        return None
+    worst = next(s for s in ("error", "warning", "info") if counts.get(s))
+    return {"text": ", ".join(parts) + " inside", "sev": worst}
+
+
+def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> tuple[dict, str]:
+    """The visible part of the tree: the root and the children of expanded nodes only."""
     root = store.root(rank)
     if root is None:
-        return [message("No modules recorded yet.")], ""
+        return {"rows": [], "message": "No modules recorded yet."}, ""
     expanded_set = set(expanded)
     inside = store.subtree_finding_counts(rank)
-    rows: list[tuple[dict, int]] = []   # (module, more-count marker)
     stack = [root]
     nodes: list[dict] = []
-    more_rows: dict[int, int] = {}
+    more: dict[str, int] = {}
     while stack and len(nodes) < MAX_VISIBLE_ROWS:
         m = stack.pop()
         nodes.append(m)
         if m["module_id"] in expanded_set and m["n_children"]:
             ch = store.children(rank, m["module_id"], MAX_CHILDREN)
             if ch["more"]:
-                more_rows[m["module_id"]] = ch["more"]
+                more[m["path"] or "(root)"] = ch["more"]
             stack.extend(reversed(ch["items"]))
     own = store.findings_for_modules(rank, [m["module_id"] for m in nodes])
-    out = []
-    for m in nodes:
-        mid = m["module_id"]
-        out.append(tree_row(m, expanded=mid in expanded_set, selected=mid == selected,
-                            badges=finding_badges(own.get(mid, []), m["kind"]), inside=inside.get(mid)))
-    # "… N more" markers go after the last rendered child of a node: append at the end of its block.
-    if more_rows:
-        out.append(message("; ".join(f"{n:,} more children not shown under module {mid} "
-                                     "(use search)" for mid, n in more_rows.items())))
+    rows = [tree_row(m, expanded=m["module_id"] in expanded_set, selected=m["module_id"] == selected,
+                     findings=own.get(m["module_id"], []), inside=inside.get(m["module_id"])) for m in nodes]
+    note = "; ".join(f"{n:,} more children of {p} not shown (use search)" for p, n in more.items())
     info = f"{len(nodes):,} nodes shown" + (" (limit reached, use search)" if stack else "")
-    return out, info
+    return {"rows": rows, "message": note}, info
 
 
-def build_results(store, rank: int, text: str, code: str | None, selected: int | None) -> tuple[list, str]:
+def build_results(store, rank: int, text: str, code: str | None, selected: int | None) -> tuple[dict, str]:
+    """Search / filter results: a flat, capped list of rows labelled by full path."""
     res = store.search_modules(rank, text, code, MAX_SEARCH)
     items = res["items"]
     own = store.findings_for_modules(rank, [m["module_id"] for m in items])
-    rows = [tree_row(m, expanded=False, selected=m["module_id"] == selected,
-                     badges=finding_badges(own.get(m["module_id"], []), m["kind"]), inside=None, show_path=True)
-            for m in items]
+    rows = [tree_row(m, expanded=False, selected=m["module_id"] == selected, findings=own.get(m["module_id"], []),
+                     inside=None, show_path=True) for m in items]
     if not items:
-        return [message("No module matches.")], "0 matches"
+        return {"rows": [], "message": "No module matches."}, "0 matches"
     info = (f"first {len(items)} matches shown, refine the search" if res["truncated"]
             else f"{len(items)} match{'es' if len(items) != 1 else ''}")
-    return rows, info
+    return {"rows": rows, "message": ""}, info
 
 
 # -- detail rendering ---------------------------------------------------------------------------------
@@ -204,13 +216,13 @@ def register(app, config) -> None:
             raise PreventUpdate
         return [{"label": f"{code_label(c)} ({c})", "value": c} for c in codes]
 
-    @app.callback(Output(ids.TREE, "children"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
+    @app.callback(Output(ids.TREE_DATA, "data"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
                   Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"), Input(ids.TREE_FILTER, "value"),
                   Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), Input(ids.RANK, "value"),
                   State(ids.TREE_STATE, "data"))
     def render_tree(expanded, text, code, selected, tick, rank, tree_state):
         if not tick or not tick.get("ready"):
-            return [message(f"Waiting for the first sample in {store.path} …", "wait")], "", None
+            return {"rows": [], "message": f"Waiting for the first sample in {store.path} …"}, "", None
         struct = [tick.get("struct"), rank]
         if ctx.triggered_id == ids.TICK and isinstance(tree_state, dict) and tree_state.get("struct") == struct:
             raise PreventUpdate  # a new step without new modules or findings: the tree is unchanged
@@ -218,15 +230,18 @@ def register(app, config) -> None:
         sel = selected.get("module_id") if isinstance(selected, dict) else None
         try:
             if (text or "").strip() or code:
-                rows, info = build_results(store, rank, text or "", code, sel)
+                data, info = build_results(store, rank, text or "", code, sel)
             else:
                 exp = expanded if isinstance(expanded, list) else _default_expanded(rank)
-                rows, info = build_tree(store, rank, exp, sel)
+                data, info = build_tree(store, rank, exp, sel)
         except StoreNotReady:
             raise PreventUpdate
         except StoreError as exc:
-            return [message(str(exc), "bad")], "", None
-        return rows, info, {"struct": struct}
+            return {"rows": [], "message": str(exc)}, "", None
+        return data, info, {"struct": struct}
+
+    app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="renderTree"),
+                            Output(ids.TREE, "title"), Input(ids.TREE_DATA, "data"))
 
     @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
                   Input(ids.UI_CLICK, "data"), State(ids.SELECTED, "data"), State(ids.EXPANDED, "data"),

@@ -206,13 +206,17 @@ def test_page_builders(demo_snapshot, tmp_path):
 def test_figures_are_pure_and_escaped():
     series = {"step": [0, 1, 2], "mean": [0.1, 0.2, 0.3], "std": [1, 1, 1], "dead_frac": [0, 0, 0],
               "sat_frac": [0, 0, 0], "zero_frac": [0, 0, 0], "out_grad_norm": [1.0, 0.1, 0.01]}
-    assert len(figures.activation_figure(series, "r").data) == 2
-    assert len(figures.fractions_figure(series, "r").data) == 3
-    assert figures.grad_figure(series, "r").layout.yaxis.type == "log"
-    assert figures.loss_figure({"step": [], "loss": []}).layout.annotations
+    assert len(figures.activation_figure(series, "r")["data"]) == 2
+    assert len(figures.fractions_figure(series, "r")["data"]) == 3
+    assert figures.grad_figure(series, "r")["layout"]["yaxis"]["type"] == "log"
+    assert figures.loss_figure({"step": [], "loss": []})["layout"]["annotations"]
     edges = [-1.0, 0.0, 1.0]
     heat = figures.heatmap_figure({"step": [0, 1], "counts": [[1, 2, 3, 4], [4, 3, 2, 1]], "edges": edges}, "r")
-    assert len(heat.data[0].z) == 4
+    assert len(heat["data"][0]["z"]) == 4
+    import plotly.graph_objects as go
+    for fig in (heat, figures.activation_figure(series, "r"), figures.severity_figure({"error": 1}),
+                figures.empty_figure("x")):
+        go.Figure(fig)   # valid plotly figures (validated here, not on every request)
     assert len(figures.bin_labels(edges)) == 4
     assert figures.plot_text("<b>x</b>") == "&lt;b&gt;x&lt;/b&gt;"
     assert figures.fmt_num(float("nan")) == "NaN" and figures.fmt_count(1_500_000) == "1.5M"
