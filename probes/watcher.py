@@ -580,7 +580,8 @@ class Watcher:
         sampled = self._sampled and self._state is not None
         step_ms = (t_end - self._step_t0) * 1e3
         if sampled:
-            self._finish_sample(step)
+            with self._guard("finish-sample"):     # whatever fails here, the step still ends cleanly
+                self._finish_sample(step)
         probe_ms = self._probe_s * 1e3 + (time.perf_counter() - t_end) * 1e3
         self._policy.observe(step, step_ms, probe_ms, sampled)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])

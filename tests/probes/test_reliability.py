@@ -292,3 +292,15 @@ def test_full_queue_drops_samples_and_counts_them(run_dir, monkeypatch):
     w.close()
     con = sqlite3.connect(w.store_path)
     assert con.execute("SELECT samples_dropped FROM ranks").fetchone()[0] == w.samples_dropped
+
+
+def test_failure_while_finishing_a_sample_still_ends_the_step(run_dir, monkeypatch):
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
+        monkeypatch.setattr(w, "_module_samples", lambda *a: 1 / 0)
+        train(model, opt, w, 4, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
+        assert w.step_count == 4
+        assert w.probe_errors[("finish-sample", "ZeroDivisionError")]["count"] == 2
+        from torch.nn.modules import module as m
+        assert not m._global_forward_hooks          # unsampled step 3: no hooks left behind
