@@ -62,3 +62,23 @@ def test_opening_evidence_does_not_navigate(page, server_factory, demo_store):
     click(page, ".finding details summary")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".finding details[open] pre"), "evidence open")
     assert page.current_url.endswith("/findings")
+
+
+def test_run_started_before_the_training_waits_then_goes_live(page, server_factory, tmp_path):
+    """`--run DIR` on a run that does not exist yet says so, then shows the run once written,
+    and new samples appear without a reload (a synthetic writer, no torch needed)."""
+    run = tmp_path / "later"
+    srv = server_factory(["--run", str(run)])
+    page.get(srv.url)
+    wait_text(page, "Waiting for the first sample", "#banner")
+    writer = synth_store.demo(run / "modscope.sqlite", steps=5, live=True)
+    try:
+        wait_text(page, "Classifier", "#ov-cards")
+        wait_text(page, "step 4", "#run-status")
+        assert not page.find_element(By.ID, "banner").text
+        writer.add_steps(3)
+        wait_text(page, "step 7", "#run-status")
+        wait_for(page, lambda d: d.execute_script(
+            "return document.querySelector('#ov-loss .js-plotly-plot').data[0].x.length") == 8, "8 loss points")
+    finally:
+        writer.close()
