@@ -699,6 +699,15 @@ class Store:
 _STAT_KEYS = ("mean", "std", "dead_frac", "sat_frac", "out_grad_norm")
 
 
+def _codes(findings: list[dict]) -> list[dict]:
+    """Distinct finding codes of one module, worst severity first: [{"code", "severity"}]."""
+    seen: dict[str, str] = {}
+    for f in findings:
+        seen.setdefault(f["code"], f["severity"])
+    return sorted(({"code": c, "severity": v} for c, v in seen.items()),
+                  key=lambda d: (SEVERITY_ORDER.get(d["severity"], 9), d["code"]))
+
+
 def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> dict:
     """The "before / after" table of two stores: summary, findings appeared/resolved,
     checkpoint keys added/removed, and per-module statistics then (a) and now (b).
@@ -744,8 +753,8 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
         ma, mb = mods_a.get(key), mods_b.get(key)
         sa = stats_a.get(ma["module_id"], {}) if ma else {}
         sb = stats_b.get(mb["module_id"], {}) if mb else {}
-        ca = sorted({f["code"] for f in codes_a.get(ma["module_id"], [])}) if ma else []
-        cb = sorted({f["code"] for f in codes_b.get(mb["module_id"], [])}) if mb else []
+        ca = _codes(codes_a.get(ma["module_id"], [])) if ma else []
+        cb = _codes(codes_b.get(mb["module_id"], [])) if mb else []
         row = {
             "key": key,
             "path_a": ma["path"] if ma else None, "path_b": mb["path"] if mb else None,

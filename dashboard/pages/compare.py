@@ -93,12 +93,24 @@ def keys_block(cmp: dict, labels) -> list:
     ]
 
 
-def _kind(k):
-    return "–" if k is None else (kind_badge(k) or "registered")
-
-
 def _codes(codes):
-    return [badge(c, "error") for c in codes] if codes else "–"
+    return [badge(c["code"], c["severity"]) for c in codes] if codes else "–"
+
+
+def _pair(a, b, fmt=figures.fmt_num) -> html.Td:
+    """One "then → now" cell, highlighted when the value changed."""
+    fa = "–" if a is None else fmt(a)
+    fb = "–" if b is None else fmt(b)
+    if fa == fb:
+        return html.Td(fb, className="num")
+    return html.Td([html.Span(fa, className="then"), " → ", html.Span(fb, className="now")],
+                   className="num changed")
+
+
+def _kind_pair(a, b) -> html.Td:
+    if a == b:
+        return html.Td(kind_badge(b) or b)
+    return html.Td([kind_badge(a) or (a or "–"), " → ", kind_badge(b) or (b or "–")], className="changed")
 
 
 def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
@@ -113,9 +125,10 @@ def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
                      html.Div(f"was {m['path_a']}", className="muted mono") if moved else None,
                      html.Div(f"only in {a}" if m["path_b"] is None else f"only in {b}", className="muted")
                      if m["path_a"] is None or m["path_b"] is None else None]),
-            m["type"], html.Td(_kind(m["kind_a"])), html.Td(_kind(m["kind_b"])),
-            m["params_a"], m["params_b"], m["in_opt_a"], m["in_opt_b"],
-            m["mean_a"], m["mean_b"], m["std_a"], m["std_b"], m["dead_frac_a"], m["dead_frac_b"],
+            m["type"], _kind_pair(m["kind_a"], m["kind_b"]),
+            _pair(m["params_a"], m["params_b"]), _pair(m["in_opt_a"], m["in_opt_b"]),
+            _pair(m["mean_a"], m["mean_b"]), _pair(m["std_a"], m["std_b"]),
+            _pair(m["dead_frac_a"], m["dead_frac_b"]),
             html.Td(_codes(m["codes_a"])), html.Td(_codes(m["codes_b"])),
         ])
     note = None
@@ -123,9 +136,8 @@ def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
         note = message(f"first {MAX_ROWS} of {len(mods):,} rows shown")
     if not rows:
         return html.Div(message("No module changed." if changed_only else "No modules."))
-    return html.Div([table(["module", "type", f"kind {a}", f"kind {b}", f"params {a}", f"params {b}",
-                            f"in optimizer {a}", f"in optimizer {b}", f"mean {a}", f"mean {b}", f"std {a}",
-                            f"std {b}", f"dead {a}", f"dead {b}", f"findings {a}", f"findings {b}"],
+    return html.Div([table(["module", "type", "kind", "parameters", "in optimizer", "mean", "std",
+                            "dead fraction", f"findings {a}", f"findings {b}"],
                            rows, "cmp-modules-table"), note], className="table-scroll")
 
 
