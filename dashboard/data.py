@@ -163,6 +163,12 @@ class Store:
         p = Path(path)
         if p.is_dir():
             p = p / STORE_FILENAME
+        if Path(str(p) + "-wal").exists():
+            # a store still in WAL mode (a run's own file, not a snapshot): immutable=1 would
+            # ignore what is in the -wal file, so read it like a live run
+            store = cls(p, live=True, **kw)
+            store.validate()
+            return store
         return cls(p, live=False, **kw)
 
     @classmethod

@@ -230,3 +230,11 @@ def test_corrupt_file(tmp_path):
     bad = tmp_path / "bad.sqlite"
     bad.write_bytes(bytes(data))
     assert _err(lambda: Store.open_snapshot(bad)).startswith(f"{bad}: ")
+
+
+def test_snapshot_flag_on_a_live_store_reads_its_wal(tmp_path):
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=4, live=True)
+    assert (tmp_path / "modscope.sqlite-wal").exists()
+    s = Store.open_snapshot(tmp_path / "modscope.sqlite")
+    assert s.live and s.last_step() == 3
+    st.close()
