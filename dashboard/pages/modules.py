@@ -16,6 +16,10 @@ from ..components import (code_label, evidence_block, finding_badges, kind_badge
 from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
 
 MAX_VISIBLE_ROWS = 2000
+DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
+DETAIL_HEAT_COLUMNS = 150
+# Charts wait laid out but invisible (not display:none, so plotly sizes them once, up front).
+HIDDEN = {"visibility": "hidden", "height": 0, "overflow": "hidden"}
 GRAPH_CONFIG = {"displaylogo": False, "displayModeBar": "hover"}
 SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
 SERIES_KEYS = {ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
@@ -43,7 +47,7 @@ def layout(config) -> html.Div:
                 *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
                             style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
-            ], id=ids.DETAIL, className="charts", style={"display": "none"}),
+            ], id=ids.DETAIL, className="charts", style=HIDDEN),
             html.Div(id=ids.DETAIL_PARAMS),
             html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
@@ -268,7 +272,7 @@ def register(app, config) -> None:
         except StoreNotReady:
             raise PreventUpdate
         except StoreError as exc:
-            return ([message(str(exc), "bad")], None, {"display": "none"}, no_update, no_update, no_update,
+            return ([message(str(exc), "bad")], None, HIDDEN, no_update, no_update, no_update,
                     no_update, None, None)
 
 
@@ -312,12 +316,12 @@ def select_module(store, rank: int, module_id: int, expanded, default_expanded):
 def _detail_full(store, rank: int, mid: int):
     m = store.module(rank, mid)
     if m is None:
-        return ([message(f"Module {mid} is not in this store.", "bad")], None, {"display": "none"},
+        return ([message(f"Module {mid} is not in this store.", "bad")], None, HIDDEN,
                 no_update, no_update, no_update, no_update, None, None)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     items = store.findings(rank, active=None, module_id=mid)
-    series = store.module_series(rank, mid)
-    hist = store.module_hist(rank, mid)
+    series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
+    hist = store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS)
     params = store.module_params(rank, mid)
     rev = f"{rank}-{mid}"
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
@@ -344,7 +348,7 @@ def _detail_increment(store, rank: int, mid: int, state: dict):
         patches.append(p)
     if not any(v is not None for v in new["out_grad_norm"]):
         patches[2] = no_update
-    heat = figures.heatmap_figure(store.module_hist(rank, mid), f"{rank}-{mid}")
+    heat = figures.heatmap_figure(store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS), f"{rank}-{mid}")
     params = params_table(store.module_params(rank, mid))
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     m = store.module(rank, mid)
