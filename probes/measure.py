@@ -13,7 +13,8 @@ from .schema import HIST_BINS, HIST_EDGES
 # layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
 CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
 CALL_WIDTH = len(CALL_FIELDS) + HIST_BINS
-HIST_SAMPLE = 4096            # the histogram is taken on at most this many evenly strided values
+HIST_SAMPLE = 1024            # the histogram is taken on at most this many evenly strided values
+UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step() for the update norm
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NOT_APPLICABLE = -1.0
 
@@ -203,21 +204,37 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return out
 
 
-def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _strided(t: torch.Tensor, k: int) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat[::max(1, flat.numel() // k)][:k]
+
+
+def sample_size(numel: int, k: int = UPDATE_SAMPLE) -> int:
+    """How many values ``_strided`` takes from a tensor of ``numel`` values."""
+    if numel <= 0:
+        return 0
+    stride = max(1, numel // k)
+    return min(k, -(-numel // stride))
+
+
+def sample_values(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of up to UPDATE_SAMPLE evenly strided values of each tensor (the whole tensor
+    when it is that small): enough to estimate an update's norm without cloning the model."""
     with torch.no_grad():
-        return [t.detach().clone() for t in tensors]
+        return [_strided(t, UPDATE_SAMPLE).clone() for t in tensors]
 
 
-def delta_norms(after: Sequence[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor | None:
-    """||after - before|| per tensor; ``before`` is overwritten (no extra memory)."""
+def sampled_delta_norms(after: Sequence[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor | None:
+    """||after - before|| on the sampled values (scale by sqrt(numel / sample_size) for an estimate)."""
     if not before:
         return None
     with torch.no_grad():
+        now = [_strided(t, UPDATE_SAMPLE) for t in after]
         for idx, group in _groups(before):
-            aft = [after[i].detach() for i in idx]
+            cur = [now[i] for i in idx]
             if hasattr(torch, "_foreach_sub_"):
-                torch._foreach_sub_(group, aft)
+                torch._foreach_sub_(group, cur)
             else:
-                for b, a in zip(group, aft):
+                for b, a in zip(group, cur):
                     b.sub_(a)
         return norms(before)

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import functools
 import json
+import math
 import os
 import platform
 import socket
@@ -82,6 +83,7 @@ class _StepState:
         self.grad_slots: dict[int, tuple[int, int]] = {}    # tid -> (slot, position)
         self.data_slots: dict[int, tuple[int, int]] = {}
         self.update_slots: dict[int, tuple[int, int]] = {}
+        self.post_slots: dict[int, tuple[int, int]] = {}      # data norm after the optimizer step
         self.before: dict[int, tuple[list[int], list[torch.Tensor]]] = {}   # optimizer -> (tids, clones)
         self.mismatch: dict[int, tuple[bool, bool]] = {}
         self.nograd_train: list[int] = []
@@ -522,13 +524,13 @@ class Watcher:
                 orphans = self._orphan_tensors()
                 if orphans:
                     self._measure_grads(st, orphans)
-                    st.before[-1] = (orphans, measure.clone_all([self._tensor_nodes[t].tensor for t in orphans]))
+                    st.before[-1] = (orphans, measure.sample_values([self._tensor_nodes[t].tensor for t in orphans]))
             tids = self._opt_tensors(oi)
             if not tids:
                 return
             tensors = [self._tensor_nodes[t].tensor for t in tids]
             self._measure_grads(st, tids)
-            st.before[oi] = (tids, measure.clone_all(tensors))
+            st.before[oi] = (tids, measure.sample_values(tensors))
 
     def _on_opt_post(self, oi: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
@@ -537,16 +539,23 @@ class Watcher:
             st = self._state
             if self._sampled and st is not None and oi in st.before:
                 tids, before = st.before.pop(oi)
-                after = [self._tensor_nodes[t].tensor for t in tids]
-                vec = measure.delta_norms(after, before)
-                if vec is not None:
-                    slot = st.m.add(vec)
-                    for pos, tid in enumerate(tids):
-                        st.update_slots[tid] = (slot, pos)
+                self._measure_updates(st, tids, before)
         self._stepped.add(oi)
         if len(self._stepped) >= len(self._optimizers):
             with self._guard("step-boundary"):
                 self._end_step()
+
+    def _measure_updates(self, st: _StepState, tids: list[int], before: list[torch.Tensor]) -> None:
+        """Sampled change across the step, plus the data norm after it (which catches a change
+        the sample missed)."""
+        after = [self._tensor_nodes[t].tensor for t in tids]
+        vec = measure.sampled_delta_norms(after, before)
+        if vec is None:
+            return
+        slot, post = st.m.add(vec), st.m.add(measure.norms(after))
+        for pos, tid in enumerate(tids):
+            st.update_slots[tid] = (slot, pos)
+            st.post_slots[tid] = (post, pos)
 
     def _orphan_tensors(self) -> list[int]:
         return [t.param_id for t in self._structure.tensors
@@ -609,11 +618,7 @@ class Watcher:
             self._measure_grads(st, remaining)
         if -1 in st.before:
             tids, before = st.before.pop(-1)
-            vec = measure.delta_norms([self._tensor_nodes[t].tensor for t in tids], before)
-            if vec is not None:
-                slot = st.m.add(vec)
-                for pos, tid in enumerate(tids):
-                    st.update_slots[tid] = (slot, pos)
+            self._measure_updates(st, tids, before)
         values = st.m.fetch()                       # the one host copy of this step
         self._sample_index += 1
         self._recent_samples.append(step)
@@ -682,9 +687,15 @@ class Watcher:
                 sp = slots.get(tid)
                 return values[sp[0]][sp[1]] if sp is not None else None
             stale = values[st.stale[tid]][0] if tid in st.stale else None
-            out[tid] = TensorSample(step=step, grad_norm=pick(st.grad_slots), data_norm=pick(st.data_slots),
-                                    update_norm=pick(st.update_slots), stale_grad_norm=stale,
-                                    arrived=tid in st.arrived)
+            data, update, post = pick(st.data_slots), pick(st.update_slots), pick(st.post_slots)
+            if update is not None:
+                numel = self._tensor_nodes[tid].numel
+                k = measure.sample_size(numel)
+                update *= math.sqrt(numel / k) if k else 0.0
+                if update == 0.0 and post is not None and data is not None and post != data:
+                    update = abs(post - data)        # the sample missed the change: a lower bound
+            out[tid] = TensorSample(step=step, grad_norm=pick(st.grad_slots), data_norm=data,
+                                    update_norm=update, stale_grad_norm=stale, arrived=tid in st.arrived)
         return out
 
     def _update_findings(self, step: int, st: _StepState, msamples: dict[int, ModuleSample],

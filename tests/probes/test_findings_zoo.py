@@ -229,3 +229,31 @@ def test_fresh_linear_built_each_call_is_an_error(run_dir):
 def test_every_finding_says_what_to_do():
     for code, (severity, fix) in probes.CODES.items():
         assert severity in ("error", "warning", "info") and len(fix) > 20, code
+
+
+class OneElementSGD(torch.optim.Optimizer):
+    """Updates a single element of each tensor: a change the strided update sample misses."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.view(-1)[1] -= group["lr"] * (p.grad.view(-1)[1] + 1.0)
+
+
+def test_an_update_the_sample_misses_is_still_seen(run_dir):
+    model = nn.Sequential(nn.Linear(1000, 100))
+    opt = OneElementSGD(model.parameters())
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 3, lambda: (torch.randn(4, 1000), torch.randn(4, 100)), loss_fn=F.mse_loss)
+        assert not [f for f in w.findings() if f.code == "not-updating"]
+    import sqlite3
+    con = sqlite3.connect(w.store_path)
+    rows = con.execute("SELECT s.update_norm FROM param_stats s JOIN params p USING(rank, param_id) "
+                       "WHERE p.path = '0.weight'").fetchall()
+    assert rows and all(r[0] > 0 for r in rows)
+    assert con.execute("SELECT moved FROM params WHERE path = '0.weight'").fetchone()[0] == 1

@@ -113,12 +113,17 @@ def test_fetch_copies_once_per_device_in_order():
     assert m.fetch() == []
 
 
-def test_norms_and_delta_norms():
-    ts = [torch.randn(5), torch.randn(3, 3), torch.randn(2).double()]
+def test_norms_and_sampled_update_norms():
+    ts = [torch.randn(5), torch.randn(3, 3), torch.randn(2).double(), torch.randn(100, 1000)]
     n = M.norms(ts)
     assert torch.allclose(n, torch.stack([t.norm().float() for t in ts]))
-    before = M.clone_all(ts)
+    before = M.sample_values(ts)
+    assert [b.numel() for b in before] == [5, 9, 2, M.sample_size(100_000)] and before[3].numel() <= 4096
     with torch.no_grad():
         ts[0].add_(1.0)
-    d = M.delta_norms(ts, before)
-    assert d.tolist() == pytest.approx([math.sqrt(5), 0.0, 0.0])
+        ts[3].add_(0.5)
+    d = M.sampled_delta_norms(ts, before).tolist()
+    assert d[:3] == pytest.approx([math.sqrt(5), 0.0, 0.0])
+    k = M.sample_size(100_000)
+    estimate = d[3] * math.sqrt(100_000 / k)
+    assert estimate == pytest.approx(0.5 * math.sqrt(100_000), rel=1e-4)
