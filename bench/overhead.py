@@ -152,18 +152,22 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
     factory, batch_fn, loss_fn = registry(device)[name]
     harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name) for c in configs]
     times: dict[str, list[float]] = {c: [] for c in configs}
+    per_round: dict[str, list[float]] = {c: [] for c in configs}
     try:
         for h in harnesses:                        # warm-up (allocator, first-step costs)
             for _ in range(warmup):
                 h.step()
         for _ in range(rounds):
             for h in harnesses:                    # interleaved: A B C A B C ...
+                block = []
                 for _ in range(steps):
                     sync(device)
                     t0 = time.perf_counter()
                     h.step()
                     sync(device)
-                    times[h.config].append((time.perf_counter() - t0) * 1e3)
+                    block.append((time.perf_counter() - t0) * 1e3)
+                times[h.config].extend(block)
+                per_round[h.config].append(statistics.median(block))
         measured = {}
         for h in harnesses:
             if h.watcher is not None:
@@ -172,7 +176,11 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
         for h in harnesses:
             h.close()
     med = {c: statistics.median(v) for c, v in times.items()}
-    return {"median_ms": med, "n": {c: len(v) for c, v in times.items()}, "self_reported": measured}
+    # overhead from paired ratios: each round's block against the bare block next to it, so slow
+    # drifts of the machine cancel out
+    over = {c: statistics.median(a / b for a, b in zip(per_round[c], per_round["bare"])) - 1 for c in configs}
+    return {"median_ms": med, "overhead": over, "n": {c: len(v) for c, v in times.items()},
+            "self_reported": measured}
 
 
 def child_rss(name: str, config: str, steps: int, device: str) -> None:
@@ -222,8 +230,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
     ap.add_argument("--configs", default=",".join(ALL_CONFIGS))
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=10, help="steps per configuration per round")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=2, help="steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -253,17 +261,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp))
-            med = r["median_ms"]
-            bare = med["bare"]
-            ideal_over = med.get("ideal", bare) - bare
-            print(f"\n{name}: median ms/step (overhead vs bare)")
+            med, ov = r["median_ms"], r["overhead"]
+            print(f"\n{name}: median ms/step, overhead vs bare (median of paired per-round ratios)")
             for c in configs:
-                over = (med[c] - bare) / bare
+                over = ov[c]
                 extra = ""
-                if c.startswith("modscope") and "ideal" in med and ideal_over > 0:
-                    extra += f"  {(med[c] - bare) / ideal_over:5.2f}x ideal's overhead"
-                if c.startswith("modscope") and "wandb" in med and med[c] > bare:
-                    extra += f"  {(med['wandb'] - bare) / (med[c] - bare):6.1f}x less than wandb"
+                if c.startswith("modscope") and "ideal" in ov and ov["ideal"] > 0:
+                    extra += f"  {over / ov['ideal']:5.2f}x ideal's overhead"
+                if c.startswith("modscope") and "wandb" in ov and over > 0:
+                    extra += f"  {ov['wandb'] / over:6.1f}x less than wandb"
                 if c in r["self_reported"] and r["self_reported"][c] is not None:
                     extra += f"  (self-reported {r['self_reported'][c]:.2%})"
                 print(f"  {c:18s} {med[c]:9.2f} ms  {over:+8.2%}{extra}")

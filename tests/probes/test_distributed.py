@@ -1,6 +1,4 @@
 """Two DDP ranks (gloo, CPU) watch their model into one shared store; every row has its rank."""
-import os
-import socket
 import sqlite3
 import sys
 from pathlib import Path
@@ -14,18 +12,12 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, run_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, run_dir: str) -> None:
     sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
     import probes
     import zoo
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rendezvous through a file: no TCP port to race other tests for
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(zoo.XORClassifier())
@@ -44,7 +36,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str) -> None:
 
 def test_two_ranks_share_one_store(tmp_path):
     run_dir = tmp_path / "ddp"
-    mp.spawn(_worker, args=(2, _free_port(), str(run_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(run_dir)), nprocs=2, join=True)
     con = sqlite3.connect(run_dir / "modscope.sqlite")
     assert con.execute("SELECT rank, world_size, status FROM ranks ORDER BY rank").fetchall() == [
         (0, 2, "closed"), (1, 2, "closed")]
