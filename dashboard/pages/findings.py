@@ -23,12 +23,18 @@ def layout(config) -> html.Div:
     ], className="panel findings-page")
 
 
+MAX_SHOWN = 300   # cards drawn at once (each is a handful of components)
+
+
 def finding_list(items: list[dict], severities: list[str]) -> list:
     shown = [f for f in items if f["severity"] in severities or f["severity"] not in SEVERITIES]
     if not shown:
         return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
     out = []
-    for i, f in enumerate(shown):
+    counts = {s: sum(1 for f in shown if f["severity"] == s) for s in SEVERITIES}
+    out.append(html.Div([severity_pill(s, f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}")
+                         for s in SEVERITIES if counts[s]], className="sev-row findings-summary"))
+    for i, f in enumerate(shown[:MAX_SHOWN]):
         mid = f["module_id"] if f["module_id"] is not None else -1
         out.append(html.Div([
             html.Div([severity_pill(f["severity"], f["code"]),
@@ -41,6 +47,9 @@ def finding_list(items: list[dict], severities: list[str]) -> list:
             evidence_block(f.get("evidence")),
         ], title="click to show this module", **ids.click_attrs("open", mid),
             className=f"finding clickable sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")))
+    if len(shown) > MAX_SHOWN:
+        out.append(message(f"first {MAX_SHOWN} of {len(shown):,} findings shown: narrow by severity, or "
+                           "filter the module tree by finding"))
     return out
 
 

@@ -32,8 +32,8 @@ def layout(config) -> html.Div:
             html.Div([
                 dcc.Input(id=ids.TREE_SEARCH, type="search", placeholder="Search name or type, Enter",
                           debounce=True, className="search", autoComplete="off"),
-                dcc.Dropdown(id=ids.TREE_FILTER, placeholder="Filter by finding", clearable=True,
-                             className="filter", style={"width": "45%", "minWidth": "180px"}),
+                html.Div(dcc.Dropdown(id=ids.TREE_FILTER, placeholder="Filter by finding", clearable=True),
+                         className="filter"),
             ], className="tree-tools"),
             html.Div(id=ids.TREE_INFO, className="tree-info"),
             html.Div(id=ids.TREE, className="tree"),     # rows drawn by assets/modscope.js
@@ -45,7 +45,7 @@ def layout(config) -> html.Div:
                      children=message("Select a module in the tree.")),
             html.Div([
                 *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
-                            style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
+                            className="chart chart-tall" if gid == ids.DETAIL_HEAT else "chart")
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=HIDDEN),
             html.Div(id=ids.DETAIL_PARAMS),

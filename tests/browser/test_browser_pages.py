@@ -82,3 +82,14 @@ def test_run_started_before_the_training_waits_then_goes_live(page, server_facto
             "return document.querySelector('#ov-loss .js-plotly-plot').data[0].x.length") == 8, "8 loss points")
     finally:
         writer.close()
+
+
+def test_filter_tree_by_finding(page, server_factory, demo_store):
+    srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
+    page.get(srv.url + "modules")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='head']"), "the tree")
+    click(page, "#tree-filter")
+    click(page, "[role='option'], .dash-dropdown-option, .Select-option", "not updating")
+    wait_text(page, "3 matches", "#tree-info")
+    paths = [el.get_attribute("data-path") for el in page.find_elements(By.CSS_SELECTOR, ".tree-row")]
+    assert paths == [f"encoder.blocks[{i}]" for i in range(3)]
