@@ -344,6 +344,7 @@ class Store:
         samples_stored = steps["sampled"] if steps and steps["sampled"] is not None else 0
         return {
             "path": str(self.path),
+            "rank": rank,
             "live": self.live,
             "run_name": meta.get("run_name") or self.path.parent.name,
             "created_at": meta.get("created_at"),

@@ -248,10 +248,13 @@ def register(app, config) -> None:
                             Output(ids.TREE, "title"), Input(ids.TREE_DATA, "data"))
 
     @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
-                  Input(ids.UI_CLICK, "data"), State(ids.SELECTED, "data"), State(ids.EXPANDED, "data"),
-                  State(ids.RANK, "value"), prevent_initial_call=True)
-    def on_click(click, selected, expanded, rank):
-        """Tree toggles, tree selections and findings (which open their module)."""
+                  Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"), State(ids.SELECTED, "data"),
+                  State(ids.EXPANDED, "data"), prevent_initial_call=True)
+    def on_click(click, rank, selected, expanded):
+        """Tree toggles, tree selections and findings (which open their module). Another rank
+        has other module ids: switching rank starts from its default view."""
+        if ctx.triggered_id == ids.RANK:
+            return None, None, no_update
         return handle_click(store, click, expanded, rank or 0, _default_expanded)
 
     @app.callback(

@@ -41,7 +41,8 @@ def overview_cards(ov: dict) -> list:
     overhead = ov.get("overhead")
     unreg = mods["unregistered"] + mods["runtime"]
     return [
-        card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}",
+        card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}"
+             + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else ""),
              "wide"),
         card("Step", figures.fmt_num(ov.get("step")), f"{ov['steps_recorded']:,} step{'s' if ov['steps_recorded'] != 1 else ''} recorded"),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),

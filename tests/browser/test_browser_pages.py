@@ -93,3 +93,15 @@ def test_filter_tree_by_finding(page, server_factory, demo_store):
     wait_text(page, "3 matches", "#tree-info")
     paths = [el.get_attribute("data-path") for el in page.find_elements(By.CSS_SELECTOR, ".tree-row")]
     assert paths == [f"encoder.blocks[{i}]" for i in range(3)]
+
+
+def test_rank_selector(page, server_factory, tmp_path):
+    path = synth_store.two_ranks(tmp_path / "modscope.sqlite")
+    srv = server_factory(["--snapshot", str(path)])
+    page.get(srv.url + "modules")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='encoder']"), "rank 0 tree")
+    click(page, "#rank-select")
+    click(page, "[role='option'], .dash-dropdown-option, .Select-option", "rank 1")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='only_on_rank1']"), "rank 1 tree")
+    click(page, ".nav-link", "Overview")
+    wait_text(page, "rank 1 of 2", "#ov-cards")

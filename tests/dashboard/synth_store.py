@@ -230,3 +230,16 @@ def big(path: Path, *, n_modules: int = 10000, steps: int = 20, fanout: int = 10
     if not keep_open:
         st.close()
     return st
+
+
+def two_ranks(path: Path) -> Path:
+    """Rank 0: the demo; rank 1: a different tiny tree (two DDP ranks sharing one store)."""
+    demo(path, steps=6)
+    b = SynthStore(path, rank=1, model_class="Classifier")
+    root = b.add_module("", None, "", "Classifier", params=10)
+    b.add_module("only_on_rank1", root, "only_on_rank1", "Linear", params=10)
+    b.commit()
+    b.add_steps(3)
+    b.conn.execute("UPDATE ranks SET world_size = 2")
+    b.close()
+    return path

@@ -238,3 +238,12 @@ def test_snapshot_flag_on_a_live_store_reads_its_wal(tmp_path):
     s = Store.open_snapshot(tmp_path / "modscope.sqlite")
     assert s.live and s.last_step() == 3
     st.close()
+
+
+def test_ranks_are_separate(tmp_path):
+    s = Store.open_snapshot(synth_store.two_ranks(tmp_path / "modscope.sqlite"))
+    assert s.ranks() == [0, 1]
+    assert s.overview(0)["step"] == 5 and s.overview(1)["step"] == 2
+    assert s.overview(1)["world_size"] == 2 and s.overview(1)["findings"]["error"] == 0
+    assert [m["path"] for m in s.children(1, 0)["items"]] == ["only_on_rank1"]
+    assert s.search_modules(1, "blocks")["items"] == []
