@@ -7,6 +7,7 @@ Pattern-matching ids are dicts built by the helpers at the bottom.
 URL = "url"
 HEADER = "header"
 NAV = "nav"
+NAV_COUNT = "nav-findings-count"
 PAGE = "page"
 BANNER = "banner"
 INTERVAL = "poll-interval"

@@ -152,7 +152,8 @@ def shell_layout(config: AppConfig) -> html.Div:
     header = html.Header([
         html.Div([html.Span("mod", className="brand-a"), html.Span("scope", className="brand-b")],
                  className="brand"),
-        html.Nav([dcc.Link(label, href=href, className="nav-link", id={"type": "nav", "href": href})
+        html.Nav([dcc.Link([label, html.Span(id=ids.NAV_COUNT, className="nav-count")] if href == "/findings"
+                           else label, href=href, className="nav-link", id={"type": "nav", "href": href})
                   for href, label in nav_links(config)], id=ids.NAV, className="nav"),
         html.Div(subtitle, className="subtitle"),
         html.Div([
@@ -221,6 +222,20 @@ def register_shell(app: Dash, config: AppConfig) -> None:
             return f"step {tick.get('step')}" + (f" · {status}" if status else "")
 
     if config.mode != "compare":
+        @app.callback(Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
+                      Input(ids.TICK, "data"), Input(ids.RANK, "value"))
+        def findings_count(tick, rank):
+            """The number of active findings next to "Findings", coloured by the worst."""
+            if not tick or not tick.get("ready"):
+                return "", "nav-count"
+            try:
+                sev = config.store.overview(rank or 0)["findings"]
+            except StoreError:
+                raise PreventUpdate
+            total = sum(sev.values())
+            worst = next((s for s in ("error", "warning", "info") if sev.get(s)), None)
+            return (str(total) if total else ""), f"nav-count sev-{worst}" if worst else "nav-count"
+
         @app.callback(Output(ids.DOWNLOAD_SNAPSHOT, "data"), Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"),
                       prevent_initial_call=True)
         def download_snapshot(n):
