@@ -34,13 +34,14 @@ def _axis(**kw) -> dict:
 def _base(title: str | None, height: int, uirevision: object) -> dict:
     layout = {
         "height": height,
-        "margin": {"l": 52, "r": 16, "t": 36 if title else 12, "b": 56},
+        "margin": {"l": 52, "r": 28, "t": 36 if title else 12, "b": 40},
         "font": {"family": FONT, "size": 12, "color": "#1f2937"},
         "paper_bgcolor": "#ffffff", "plot_bgcolor": "#ffffff",
-        "legend": {"orientation": "h", "y": -0.22, "yanchor": "top", "x": 0, "xanchor": "left"},
+        "legend": {"orientation": "h", "y": -0.12, "yanchor": "top", "x": 0, "xanchor": "left"},
         "uirevision": uirevision,
         "hovermode": "x unified",
-        "xaxis": _axis(title={"text": "step"}),
+        "modebar": {"orientation": "v"},        # beside the plot, not over the title
+        "xaxis": _axis(),                        # x is the step everywhere (hover says "step")
         "yaxis": _axis(),
         "colorway": list(SERIES_COLORS),
     }
@@ -151,7 +152,7 @@ def heatmap_figure(hist: dict, uirevision: object, height: int = 300) -> dict:
     used = [i for i in range(nbins) if any(z[i])]
     lo, hi = (min(used), max(used)) if used else (0, nbins - 1)
     layout = _base("Activation histogram", height, uirevision)
-    layout.update(hovermode="closest", margin={"l": 96, "r": 16, "t": 36, "b": 48})
+    layout.update(hovermode="closest", margin={"l": 96, "r": 44, "t": 36, "b": 40})
     layout["yaxis"] = _axis(type="category", showgrid=False)
     layout["xaxis"]["showgrid"] = False
     trace = {"type": "heatmap", "x": list(steps), "y": labels[lo:hi + 1], "z": z[lo:hi + 1],

@@ -20,6 +20,7 @@ DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only co
 DETAIL_HEAT_COLUMNS = 150
 # Charts wait laid out but invisible (not display:none, so plotly sizes them once, up front).
 HIDDEN = {"visibility": "hidden", "height": 0, "overflow": "hidden"}
+SHOWN = {"visibility": "visible", "height": "auto", "overflow": "visible"}
 GRAPH_CONFIG = {"displaylogo": False, "displayModeBar": "hover"}
 SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
 SERIES_KEYS = {ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
@@ -45,7 +46,7 @@ def layout(config) -> html.Div:
                      children=message("Select a module in the tree.")),
             html.Div([
                 *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
-                            className="chart chart-tall" if gid == ids.DETAIL_HEAT else "chart")
+                            style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=HIDDEN),
             html.Div(id=ids.DETAIL_PARAMS),
@@ -329,7 +330,7 @@ def _detail_full(store, rank: int, mid: int):
     rev = f"{rank}-{mid}"
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
-    return (detail_header(m, own), findings_block, {},
+    return (detail_header(m, own), findings_block, SHOWN,
             figures.activation_figure(series, rev), figures.fractions_figure(series, rev),
             figures.grad_figure(series, rev), figures.heatmap_figure(hist, rev), params_table(params),
             {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),

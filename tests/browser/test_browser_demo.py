@@ -72,6 +72,11 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
     wait_for(page, lambda d: trace_len(d, "detail-activation") > 0, "activation chart of blocks[1]")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
     wait_text(page, "not in state_dict", "#detail-params")
+    charts_bottom, params_top, chart_h = page.execute_script(
+        "return [document.getElementById('detail').getBoundingClientRect().bottom,"
+        " document.getElementById('detail-params').getBoundingClientRect().top,"
+        " document.getElementById('detail-activation').getBoundingClientRect().height];")
+    assert charts_bottom <= params_top + 1 and 200 <= chart_h <= 400   # laid out, no overlap
     screenshot(page, "modules-demo")
 
     # zoom into the activation chart, then let new samples arrive
