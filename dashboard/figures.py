@@ -152,7 +152,7 @@ def heatmap_figure(hist: dict, uirevision: object, height: int = 300) -> dict:
     used = [i for i in range(nbins) if any(z[i])]
     lo, hi = (min(used), max(used)) if used else (0, nbins - 1)
     layout = _base("Activation histogram", height, uirevision)
-    layout.update(hovermode="closest", margin={"l": 96, "r": 44, "t": 36, "b": 40})
+    layout.update(hovermode="closest", margin={"l": 96, "r": 96, "t": 36, "b": 40})
     layout["yaxis"] = _axis(type="category", showgrid=False)
     layout["xaxis"]["showgrid"] = False
     trace = {"type": "heatmap", "x": list(steps), "y": labels[lo:hi + 1], "z": z[lo:hi + 1],
