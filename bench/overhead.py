@@ -15,7 +15,7 @@ import contextlib
 import importlib.util
 import json
 import os
-import resource
+import random
 import statistics
 import subprocess
 import sys
@@ -157,8 +157,14 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
         for h in harnesses:                        # warm-up (allocator, first-step costs)
             for _ in range(warmup):
                 h.step()
+        order = random.Random(0)
         for _ in range(rounds):
-            for h in harnesses:                    # interleaved: A B C A B C ...
+            # interleaved, in a fresh random order each round (A C B, B A C, ...): a config's
+            # background work (TensorBoard's writer thread, wandb's process) must not always land
+            # on the same neighbour. Each block starts after a pause and one untimed step.
+            for h in order.sample(harnesses, len(harnesses)):
+                time.sleep(0.05)
+                h.step()
                 block = []
                 for _ in range(steps):
                     sync(device)
@@ -190,7 +196,10 @@ def child_rss(name: str, config: str, steps: int, device: str) -> None:
         for _ in range(steps):
             h.step()
         h.close()
-    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve from the parent benchmark process
+    with open("/proc/self/status") as f:
+        hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"maxrss_mb": hwm_kb / 1024}))
 
 
 def rss(name: str, config: str, steps: int, device: str) -> float:

@@ -128,6 +128,7 @@ class Watcher:
         self._static: list[Finding] = []
         self._ids_by_path: dict[str, int] = {}
         self._tids_by_path: dict[str, int] = {}
+        self._lookup: tuple | None = None
         self._runtime_nodes: dict[tuple[int, str, int], ModuleNode] = {}
         self._runtime_objects: dict[tuple[int, str, int], Any] = {}
         self._runtime_findings: dict[str, Finding] = {}
@@ -248,6 +249,7 @@ class Watcher:
         for rt in self._runtime_nodes.values():
             self._module_nodes[rt.module_id] = rt
         self._tensor_nodes = {t.param_id: t for t in s.tensors}
+        self._lookup = None            # path/type tables for the detectors, rebuilt lazily
         self._tensor_owners = self._owners(s)
         self._root_id = self._ids_by_path[""]
         self._mode_relevant = {n.module_id for n in s.modules if n.module is not None and (
@@ -552,10 +554,18 @@ class Watcher:
         vec = measure.sampled_delta_norms(after, before)
         if vec is None:
             return
-        slot, post = st.m.add(vec), st.m.add(measure.norms(after))
+        slot = st.m.add(vec)
         for pos, tid in enumerate(tids):
             st.update_slots[tid] = (slot, pos)
-            st.post_slots[tid] = (post, pos)
+        if vec.device.type == "cpu":
+            # reading a CPU tensor costs no sync: the full-tensor check only where the sample saw no change
+            check = [pos for pos in torch.nonzero(vec == 0).flatten().tolist()]
+        else:
+            check = list(range(len(tids)))
+        if check:
+            post = st.m.add(measure.norms([after[pos] for pos in check]))
+            for i, pos in enumerate(check):
+                st.post_slots[tids[pos]] = (post, i)
 
     def _orphan_tensors(self) -> list[int]:
         return [t.param_id for t in self._structure.tensors
@@ -700,12 +710,16 @@ class Watcher:
 
     def _update_findings(self, step: int, st: _StepState, msamples: dict[int, ModuleSample],
                          tsamples: dict[int, TensorSample]) -> None:
-        nodes = self._module_nodes
-        module_path = {mid: n.path for mid, n in nodes.items()}
-        module_type = {mid: n.type for mid, n in nodes.items()}
-        tensor_path = {tid: t.path for tid, t in self._tensor_nodes.items()}
-        tensor_module = {tid: t.module_id for tid, t in self._tensor_nodes.items()}
-        tensor_info = {tid: {"in_optimizer": t.in_optimizer, "lr": t.lr} for tid, t in self._tensor_nodes.items()}
+        if self._lookup is None or self._lookup[0] != len(self._module_nodes):
+            nodes = self._module_nodes
+            self._lookup = (len(nodes),
+                            {mid: n.path for mid, n in nodes.items()},
+                            {mid: n.type for mid, n in nodes.items()},
+                            {tid: t.path for tid, t in self._tensor_nodes.items()},
+                            {tid: t.module_id for tid, t in self._tensor_nodes.items()},
+                            {tid: {"in_optimizer": t.in_optimizer, "lr": t.lr}
+                             for tid, t in self._tensor_nodes.items()})
+        _, module_path, module_type, tensor_path, tensor_module, tensor_info = self._lookup
         bypass = []
         if st.calls:
             for tid in sorted(st.arrived):
