@@ -4,6 +4,8 @@ text, never as HTML."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import json
 
 from dash import html
@@ -11,7 +13,7 @@ from dash import html
 from .figures import fmt_count, fmt_num
 
 # Short labels for the badges drawn on tree nodes.
-CODE_LABELS = {
+CODE_LABELS = MappingProxyType({
     "unregistered-module": "unregistered",
     "unregistered-tensor": "unregistered tensor",
     "not-in-optimizer": "not in optimizer",
@@ -27,9 +29,9 @@ CODE_LABELS = {
     "non-finite": "NaN/Inf",
     "forward-bypassed": "forward bypassed",
     "shared-parameter": "shared",
-}
+})
 
-SEVERITY_ICONS = {"error": "●", "warning": "▲", "info": "■"}
+SEVERITY_ICONS = MappingProxyType({"error": "●", "warning": "▲", "info": "■"})
 
 
 def code_label(code: str) -> str:

@@ -12,6 +12,8 @@ testable without a browser.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import json
 import math
 import os
@@ -32,7 +34,7 @@ REQUIRED_TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats"
 SQLITE_HEADER = b"SQLite format 3\x00"
 
 SEVERITIES = ("error", "warning", "info")
-SEVERITY_ORDER = {s: i for i, s in enumerate(SEVERITIES)}
+SEVERITY_ORDER = MappingProxyType({s: i for i, s in enumerate(SEVERITIES)})
 
 # Row limits (each query says how many rows it may return).
 MAX_CHILDREN = 500          # children of one expanded node

@@ -7,13 +7,15 @@ Text that comes from user code (module paths, class names) is passed through
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import html
 import math
 from typing import Sequence
 
 # Figures are plain dicts ({"data": [...], "layout": {...}}), which Dash and plotly.js take as
 # they are: building validated plotly.graph_objects figures cost ~20 ms each.
-SEVERITY_COLORS = {"error": "#d93f3f", "warning": "#e09b0f", "info": "#2f74d0"}
+SEVERITY_COLORS = MappingProxyType({"error": "#d93f3f", "warning": "#e09b0f", "info": "#2f74d0"})
 SERIES_COLORS = ("#2f74d0", "#7c4dcc", "#1f9d74", "#d9672b", "#6b7280")
 FONT = "Inter, Segoe UI, Roboto, Helvetica, Arial, sans-serif"
 GRID = "#eceef2"

@@ -7,6 +7,8 @@ capped result list instead of the tree.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from dash import ClientsideFunction, Input, Output, Patch, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
@@ -19,12 +21,24 @@ MAX_VISIBLE_ROWS = 2000
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
 DETAIL_HEAT_COLUMNS = 150
 # Charts wait laid out but invisible (not display:none, so plotly sizes them once, up front).
-HIDDEN = {"visibility": "hidden", "height": 0, "overflow": "hidden"}
-SHOWN = {"visibility": "visible", "height": "auto", "overflow": "visible"}
-GRAPH_CONFIG = {"displaylogo": False, "displayModeBar": "hover"}
+# (functions returning fresh dicts: no shared mutable module state handed to Dash)
+
+
+def hidden() -> dict:
+    return {"visibility": "hidden", "height": 0, "overflow": "hidden"}
+
+
+def shown() -> dict:
+    return {"visibility": "visible", "height": "auto", "overflow": "visible"}
+
+
+def graph_config() -> dict:
+    return {"displaylogo": False, "displayModeBar": "hover"}
+
+
 SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
-SERIES_KEYS = {ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
-               ids.DETAIL_GRAD: ("out_grad_norm",)}
+SERIES_KEYS = MappingProxyType({ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
+                               ids.DETAIL_GRAD: ("out_grad_norm",)})
 
 
 def layout(config) -> html.Div:
@@ -45,10 +59,10 @@ def layout(config) -> html.Div:
             html.Div(id=ids.DETAIL_HEADER, className="detail-header",
                      children=message("Select a module in the tree.")),
             html.Div([
-                *[dcc.Graph(id=gid, config=GRAPH_CONFIG, figure=figures.empty_figure(""), responsive=True,
+                *[dcc.Graph(id=gid, config=graph_config(), figure=figures.empty_figure(""), responsive=True,
                             style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
-            ], id=ids.DETAIL, className="charts", style=HIDDEN),
+            ], id=ids.DETAIL, className="charts", style=hidden()),
             html.Div(id=ids.DETAIL_PARAMS),
             html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
@@ -59,8 +73,8 @@ def layout(config) -> html.Div:
 # -- tree rendering ---------------------------------------------------------------------------------
 # The server sends plain row data (small JSON); assets/modscope.js (renderTree) draws the rows with
 # textContent, never HTML. Drawing hundreds of rows as Dash components took ~3 ms per row.
-KIND_TITLES = {"unregistered": "not in model.modules(): reachable through Python attributes only",
-               "runtime": "executed in forward but not reachable through attributes"}
+KIND_TITLES = MappingProxyType({"unregistered": "not in model.modules(): reachable through Python attributes only",
+               "runtime": "executed in forward but not reachable through attributes"})
 
 
 def tree_row(m: dict, *, expanded: bool, selected: bool, findings: list[dict], inside: dict | None,
@@ -276,7 +290,7 @@ def register(app, config) -> None:
         except StoreNotReady:
             raise PreventUpdate
         except StoreError as exc:
-            return ([message(str(exc), "bad")], None, HIDDEN, no_update, no_update, no_update,
+            return ([message(str(exc), "bad")], None, hidden(), no_update, no_update, no_update,
                     no_update, None, None)
 
 
@@ -320,7 +334,7 @@ def select_module(store, rank: int, module_id: int, expanded, default_expanded):
 def _detail_full(store, rank: int, mid: int):
     m = store.module(rank, mid)
     if m is None:
-        return ([message(f"Module {mid} is not in this store.", "bad")], None, HIDDEN,
+        return ([message(f"Module {mid} is not in this store.", "bad")], None, hidden(),
                 no_update, no_update, no_update, no_update, None, None)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     items = store.findings(rank, active=None, module_id=mid)
@@ -330,7 +344,7 @@ def _detail_full(store, rank: int, mid: int):
     rev = f"{rank}-{mid}"
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
-    return (detail_header(m, own), findings_block, SHOWN,
+    return (detail_header(m, own), findings_block, shown(),
             figures.activation_figure(series, rev), figures.fractions_figure(series, rev),
             figures.grad_figure(series, rev), figures.heatmap_figure(hist, rev), params_table(params),
             {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
