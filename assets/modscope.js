@@ -33,6 +33,7 @@ document.addEventListener("click", function (e) {
     div.className = "tree-row kind-" + r.kind + (r.selected ? " selected" : "");
     div.setAttribute("data-path", r.path);
     div.setAttribute("data-kind", r.kind);
+    div.setAttribute("data-mid", String(r.id));
     div.style.paddingLeft = r.indent + "rem";
     if (r.toggle) {
       div.appendChild(span("tree-toggle", r.toggle, {"data-action": "toggle", "data-mid": String(r.id),
@@ -52,15 +53,28 @@ document.addEventListener("click", function (e) {
       {"title": "parameters in the subtree: total · trainable · held by the optimizer"}));
     return div;
   }
+  function highlight(box, selected) {
+    var mid = selected && selected.module_id !== undefined && selected.module_id !== null
+      ? String(selected.module_id) : null;
+    box.querySelectorAll(".tree-row").forEach(function (el) {
+      el.classList.toggle("selected", mid !== null && el.getAttribute("data-mid") === mid);
+    });
+  }
   window.dash_clientside = window.dash_clientside || {};
   window.dash_clientside.modscope = Object.assign({}, window.dash_clientside.modscope, {
-    renderTree: function (data) {
+    renderTree: function (data, selected) {
       var box = document.getElementById("tree");
       if (!box || !data) { return window.dash_clientside.no_update; }
       var frag = document.createDocumentFragment();
       (data.rows || []).forEach(function (r) { frag.appendChild(row(r)); });
       if (data.message) { frag.appendChild(span("message muted", data.message)); }
       box.replaceChildren(frag);
+      highlight(box, selected);
+      return window.dash_clientside.no_update;
+    },
+    highlightSelected: function (selected) {
+      var box = document.getElementById("tree");
+      if (box) { highlight(box, selected); }
       return window.dash_clientside.no_update;
     }
   });

@@ -237,9 +237,10 @@ def register(app, config) -> None:
 
     @app.callback(Output(ids.TREE_DATA, "data"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
                   Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"), Input(ids.TREE_FILTER, "value"),
-                  Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), Input(ids.RANK, "value"),
-                  State(ids.TREE_STATE, "data"))
-    def render_tree(expanded, text, code, selected, tick, rank, tree_state):
+                  Input(ids.TICK, "data"), Input(ids.RANK, "value"),
+                  State(ids.SELECTED, "data"), State(ids.TREE_STATE, "data"))
+    def render_tree(expanded, text, code, tick, rank, selected, tree_state):
+        """The visible rows. A new selection only moves the highlight (done in the browser)."""
         if not tick or not tick.get("ready"):
             return {"rows": [], "message": f"Waiting for the first sample in {store.path} …"}, "", None
         struct = [tick.get("struct"), rank]
@@ -260,7 +261,9 @@ def register(app, config) -> None:
         return data, info, {"struct": struct}
 
     app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="renderTree"),
-                            Output(ids.TREE, "title"), Input(ids.TREE_DATA, "data"))
+                            Output(ids.TREE, "title"), Input(ids.TREE_DATA, "data"), State(ids.SELECTED, "data"))
+    app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="highlightSelected"),
+                            Output(ids.TREE, "className"), Input(ids.SELECTED, "data"))
 
     @app.callback(Output(ids.SELECTED, "data"), Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
                   Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"), State(ids.SELECTED, "data"),
