@@ -7,7 +7,6 @@ then (a) and now (b), matched by normalised path (``blocks[0]`` ~ ``blocks.0``).
 from __future__ import annotations
 
 from dash import Input, Output, dcc, html
-from dash.exceptions import PreventUpdate
 
 from .. import figures, ids
 from ..components import badge, kind_badge, message, severity_pill, table
@@ -33,12 +32,6 @@ def layout(config) -> html.Div:
             html.Div(id=ids.CMP_MODULES),
         ], className="panel"),
     ], className="compare")
-
-
-def _val(v):
-    if isinstance(v, float):
-        return figures.fmt_num(v)
-    return v
 
 
 def summary_table(cmp: dict, labels) -> html.Div:

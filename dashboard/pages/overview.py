@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from dash import Input, Output, Patch, State, ctx, dcc, html, no_update
+from dash import Input, Output, Patch, State, ctx, dcc, html
 from dash.exceptions import PreventUpdate
 
 from .. import figures, ids
@@ -31,7 +31,7 @@ def layout(config) -> html.Div:
 def _when(ts) -> str | None:
     if not ts:
         return None
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
 
 
 def overview_cards(ov: dict) -> list:
@@ -44,7 +44,8 @@ def overview_cards(ov: dict) -> list:
         card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}"
              + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else ""),
              "wide"),
-        card("Step", figures.fmt_num(ov.get("step")), f"{ov['steps_recorded']:,} step{'s' if ov['steps_recorded'] != 1 else ''} recorded"),
+        card("Step", figures.fmt_num(ov.get("step")), f"{ov['steps_recorded']:,} step{'s' if ov['steps_recorded'] != 1 else ''} recorded"
+             + (f" · updated {_when(ov['updated_at'])}" if ov.get("updated_at") else "")),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),
              f"sampling {_sampling(ov.get('sampling'))}"),
         card("Samples dropped", figures.fmt_num(ov["samples_dropped"]), "queue full" if ov["samples_dropped"]
