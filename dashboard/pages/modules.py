@@ -279,9 +279,10 @@ def register(app, config) -> None:
         Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
         Output(ids.DETAIL, "style"),
         Output(ids.DETAIL_ACT, "figure"), Output(ids.DETAIL_FRAC, "figure"), Output(ids.DETAIL_GRAD, "figure"),
-        Output(ids.DETAIL_HEAT, "figure"), Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
+        Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
         Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), State(ids.DETAIL_STATE, "data"))
     def render_detail(selected, tick, state):
+        """Header, findings, the three series charts (extended in place when live) and parameters."""
         if not isinstance(selected, dict) or selected.get("module_id") is None or not tick or not tick.get("ready"):
             raise PreventUpdate
         rank, mid = selected.get("rank", 0), selected["module_id"]
@@ -293,8 +294,22 @@ def register(app, config) -> None:
         except StoreNotReady:
             raise PreventUpdate
         except StoreError as exc:
-            return ([message(str(exc), "bad")], None, hidden(), no_update, no_update, no_update,
-                    no_update, None, None)
+            return ([message(str(exc), "bad")], None, hidden(), no_update, no_update, no_update, None, None)
+
+    @app.callback(Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
+    def render_heat(state):
+        """The histogram heat map follows the other charts (drawn after them, rebuilt - thinned to
+        DETAIL_HEAT_COLUMNS - when the module got new samples)."""
+        if not isinstance(state, dict) or state.get("module_id") is None:
+            raise PreventUpdate
+        rank, mid = state.get("rank", 0), state["module_id"]
+        try:
+            hist = store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS)
+        except StoreNotReady:
+            raise PreventUpdate
+        except StoreError as exc:
+            return figures.empty_figure(str(exc))
+        return figures.heatmap_figure(hist, f"{rank}-{mid}")
 
 
 def handle_click(store, click, expanded, rank: int, default_expanded):
@@ -338,20 +353,19 @@ def _detail_full(store, rank: int, mid: int):
     m = store.module(rank, mid)
     if m is None:
         return ([message(f"Module {mid} is not in this store.", "bad")], None, hidden(),
-                no_update, no_update, no_update, no_update, None, None)
+                no_update, no_update, no_update, None, None)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     items = store.findings(rank, active=None, module_id=mid)
     series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
-    hist = store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS)
     params = store.module_params(rank, mid)
     rev = f"{rank}-{mid}"
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
     return (detail_header(m, own), findings_block, shown(),
             figures.activation_figure(series, rev), figures.fractions_figure(series, rev),
-            figures.grad_figure(series, rev), figures.heatmap_figure(hist, rev), params_table(params),
+            figures.grad_figure(series, rev), params_table(params),
             {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
-             "heat_last": hist["step"][-1] if hist["step"] else None})
+             "has_grad": any(v is not None for v in series["out_grad_norm"])})
 
 
 def _detail_increment(store, rank: int, mid: int, state: dict):
@@ -367,14 +381,18 @@ def _detail_increment(store, rank: int, mid: int, state: dict):
             p["data"][i]["x"].extend(new["step"])
             p["data"][i]["y"].extend(new[key])
         patches.append(p)
+    has_grad = state.get("has_grad", False)
     if not any(v is not None for v in new["out_grad_norm"]):
         patches[2] = no_update
-    heat = figures.heatmap_figure(store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS), f"{rank}-{mid}")
+    elif not has_grad:
+        # the chart was the "no gradients yet" placeholder (no trace to extend): draw it whole
+        patches[2] = figures.grad_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
+        has_grad = True
     params = params_table(store.module_params(rank, mid))
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     m = store.module(rank, mid)
     items = store.findings(rank, active=None, module_id=mid)
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
-    return (detail_header(m, own) if m else no_update, findings_block, no_update, *patches, heat,
-            params, {**state, "last": new["last"]})
+    return (detail_header(m, own) if m else no_update, findings_block, no_update, *patches,
+            params, {**state, "last": new["last"], "has_grad": has_grad})

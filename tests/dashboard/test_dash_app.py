@@ -220,3 +220,21 @@ def test_figures_are_pure_and_escaped():
     assert len(figures.bin_labels(edges)) == 4
     assert figures.plot_text("<b>x</b>") == "&lt;b&gt;x&lt;/b&gt;"
     assert figures.fmt_num(float("nan")) == "NaN" and figures.fmt_count(1_500_000) == "1.5M"
+
+
+def test_live_detail_update_extends_or_redraws(tmp_path):
+    """Live: the open module's charts are extended with the new steps only (Patch); a chart that
+    was still a placeholder (no gradients yet) is drawn whole instead."""
+    from dash import Patch
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
+    s = Store.open_run(tmp_path)
+    full = modules_page._detail_full(s, 0, 1)
+    state = full[-1]
+    assert state["last"] == 4 and state["has_grad"]
+    st.add_steps(2)
+    inc = modules_page._detail_increment(s, 0, 1, state)
+    assert all(isinstance(p, Patch) for p in inc[3:6]) and inc[-1]["last"] == 6
+    st.add_steps(1)
+    redraw = modules_page._detail_increment(s, 0, 1, {**inc[-1], "has_grad": False})
+    assert isinstance(redraw[5], dict) and redraw[5]["data"] and redraw[-1]["has_grad"]
+    st.close()
