@@ -190,6 +190,18 @@ class Store:
         try:
             conn = sqlite3.connect(_sqlite_uri(self.path, immutable=not self.live), uri=True,
                                    check_same_thread=True, timeout=self.timeout_s)
+            if self.live:
+                conn.execute("PRAGMA user_version").fetchone()
+        except sqlite3.OperationalError as exc:
+            # A finished run (no -wal file) in a place we cannot write: a WAL-mode file then cannot
+            # be opened read-only (SQLite needs to create the -shm file), but nothing writes it
+            # any more, so it can be read as immutable.
+            if self.live and ("unable to open" in str(exc) or "readonly" in str(exc)) and self.path.exists() \
+                    and not Path(str(self.path) + "-wal").exists():
+                conn = sqlite3.connect(_sqlite_uri(self.path, immutable=True), uri=True,
+                                       check_same_thread=True, timeout=self.timeout_s)
+            else:
+                raise StoreError(_describe_db_error(self.path, exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(_describe_db_error(self.path, exc)) from None
         conn.row_factory = sqlite3.Row

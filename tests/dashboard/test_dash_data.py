@@ -247,3 +247,41 @@ def test_ranks_are_separate(tmp_path):
     assert s.overview(1)["world_size"] == 2 and s.overview(1)["findings"]["error"] == 0
     assert [m["path"] for m in s.children(1, 0)["items"]] == ["only_on_rank1"]
     assert s.search_modules(1, "blocks")["items"] == []
+
+
+def test_finished_run_in_a_read_only_place():
+    """A finished run's store is still a WAL-mode file; where the -shm file cannot be created
+    (a read-only copy of runs/), it must still open (as immutable: nothing writes it)."""
+    import os
+    import shutil
+    import subprocess
+    import sys as _sys
+    import tempfile
+    from pathlib import Path as _P
+    base = _P(tempfile.mkdtemp(prefix="modscope-ro-"))   # not under pytest's 0700 tmp dir
+    run, lib = base / "run", base / "lib"
+    synth_store.demo(run / "modscope.sqlite", steps=3)
+    assert not (run / "modscope.sqlite-wal").exists()
+    lib.mkdir()
+    shutil.copy(_P(__file__).resolve().parents[2] / "dashboard" / "data.py", lib / "data.py")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import data; "
+            "s = data.Store.open_run(sys.argv[2]); print(s.overview()['step'], len(s.module_series(0, 1)['step']))")
+    for p in (lib / "data.py", run / "modscope.sqlite"):
+        os.chmod(p, 0o444)
+    for p in (base, run, lib):
+        os.chmod(p, 0o555)
+    try:
+        if os.geteuid() != 0:
+            cmd = [_sys.executable, "-c", code, str(lib), str(run)]
+        elif shutil.which("runuser") and os.path.exists("/usr/bin/python3"):
+            cmd = ["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", code, str(lib), str(run)]
+        else:
+            pytest.skip("needs a non-root user to make a directory read-only")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0 and "Permission denied" in r.stderr and "python" in r.stderr:
+            pytest.skip("no interpreter usable by the unprivileged user")
+        assert r.returncode == 0 and r.stdout.split() == ["2", "3"], r.stderr
+    finally:
+        for p in (base, run, lib):
+            os.chmod(p, 0o755)
+        shutil.rmtree(base, ignore_errors=True)
