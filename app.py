@@ -29,6 +29,22 @@ def fail(msg: str) -> "NoReturn":  # noqa: F821
     raise SystemExit(2)
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail early (before starting a demo or printing a URL) when the address cannot be bound."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        fail(f"--host {host}: cannot resolve ({exc.strerror})")
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            fail(f"{host}:{port}: cannot listen ({exc.strerror or exc})")
+
+
 def parse_serve(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python app.py", description="modscope dashboard")
     src = p.add_mutually_exclusive_group()
@@ -95,6 +111,7 @@ def serve_main(argv: list[str]) -> int:
             config = AppConfig(mode="live", store=Store.open_run(args.run), poll_ms=args.poll_ms)
         else:
             from dashboard.demo import fresh_run_dir, start_demo
+            check_port(args.host, args.port)
             run_dir = fresh_run_dir(Path(args.runs_dir))
             try:
                 demo_proc = start_demo(run_dir, list(DEMO_ARGS) if args.demo_arg is None else args.demo_arg)
@@ -105,6 +122,8 @@ def serve_main(argv: list[str]) -> int:
     except StoreError as exc:
         fail(str(exc))
 
+    if demo_proc is None:
+        check_port(args.host, args.port)
     token = args.token
     if not is_loopback(args.host) and not token:
         token = secrets.token_urlsafe(18)

@@ -238,3 +238,14 @@ def test_live_detail_update_extends_or_redraws(tmp_path):
     redraw = modules_page._detail_increment(s, 0, 1, {**inc[-1], "has_grad": False})
     assert isinstance(redraw[5], dict) and redraw[5]["data"] and redraw[-1]["has_grad"]
     st.close()
+
+
+def test_port_in_use(demo_snapshot):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = run_app("--snapshot", str(demo_snapshot), "--port", str(port))
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+    assert "modscope dashboard:" not in r.stdout           # no URL printed for a server that is not there
