@@ -40,8 +40,8 @@ def _css() -> str:
     return "\n".join(parts)
 
 
-def _badges(findings: list[dict]) -> str:
-    seen, out = set(), []
+def _badges(findings: list[dict], kind: str = "registered") -> str:
+    seen, out = ({"unregistered-module"} if kind == "unregistered" else set()), []
     for f in findings:
         if f["code"] in seen:
             continue
@@ -69,7 +69,7 @@ def _tree_html(store: Store, rank: int) -> str:
         kind = "" if m["kind"] == "registered" else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>'
         params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
         label = f'<span class="tree-label mono">{esc(m["name"] or "(root)")}</span>' \
-                f'<span class="tree-type">{esc(m["type"])}</span>{kind}{_badges(own.get(m["module_id"], []))}{params}'
+                f'<span class="tree-type">{esc(m["type"])}</span>{kind}{_badges(own.get(m["module_id"], []), m["kind"])}{params}'
         children = kids.get(m["module_id"], [])
         if not children:
             return f'<li class="leaf kind-{esc(m["kind"])}">{label}</li>'
