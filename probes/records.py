@@ -63,13 +63,8 @@ def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[Te
               t.kind, int(t.requires_grad), int(t.registered), int(t.is_parameter), int(t.in_state_dict),
               int(t.in_optimizer), t.opt_index, t.opt_group, finite_or_none(t.lr), _json(t.aliases))
              for t in tensors]
-    mcols = [c for c in MODULE_COLS if c != "first_step"]
-    ops: list[Op] = [
-        (upsert_sql("modules", MODULE_COLS, ("rank", "module_id")).replace(
-            ", first_step=excluded.first_step", ""), mrows),
-        (upsert_sql("params", PARAM_COLS, ("rank", "param_id")), prows),
-    ]
-    del mcols
+    module_sql = upsert_sql("modules", MODULE_COLS, ("rank", "module_id"), keep=("first_step",))
+    ops: list[Op] = [(module_sql, mrows), (upsert_sql("params", PARAM_COLS, ("rank", "param_id")), prows)]
     return ops
 
 

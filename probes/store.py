@@ -197,12 +197,14 @@ def snapshot(store_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
     return dest
 
 
-def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str]) -> str:
+def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str], keep: Iterable[str] = ()) -> str:
+    """INSERT ... ON CONFLICT(key) DO UPDATE of every column but the key and ``keep``."""
     if table not in TABLES:
         raise ValueError(f"unknown table {table!r}")
     cols = list(columns)
-    keys = set(key)
-    updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in keys)
+    key = list(key)
+    fixed = set(key) | set(keep)
+    updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in fixed)
     placeholders = ", ".join("?" for _ in cols)
     conflict = f"ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}" if updates else \
         f"ON CONFLICT({', '.join(key)}) DO NOTHING"

@@ -146,8 +146,6 @@ class ModelStructure:
     walk_truncated: bool
     n_optimizers: int
 
-    def by_path(self) -> dict[str, ModuleNode]:
-        return {m.path: m for m in self.modules}
 
 
 def normalize_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -658,7 +658,6 @@ class Watcher:
         if model is not None:
             self._maybe_rebuild()
         self._update_findings(step, st, {m: s for m, (s, _) in msamples.items()}, tsamples)
-        self._last_calls = dict(st.calls)
 
     def _mode_of(self, st: _StepState, mid: int) -> tuple[int | None, int | None]:
         rows = st.rows.get(mid)
