@@ -1,6 +1,7 @@
 """Which steps are sampled: a fixed interval (every=N) or an overhead budget.
 
-With a budget (the default, 1%), the interval is chosen from the measured cost: the median
+With a budget (the default, 1%), the first DENSE_START steps are sampled, then the interval is
+chosen from the measured cost: the median
 wall time of recent sampled steps minus that of unsampled ones, divided by the budget times
 the unsampled step time. Pure logic, no torch.
 """
@@ -12,6 +13,8 @@ import statistics
 
 MAX_INTERVAL = 1000
 INITIAL_INTERVAL = 10
+DENSE_START = 8        # with a budget, the first steps are all sampled: findings appear at once and the
+                       # cost of a sampled step is measured before the interval is chosen
 
 
 class SamplingPolicy:
@@ -26,7 +29,7 @@ class SamplingPolicy:
         self._n_sampled = 0
 
     def should_sample(self, step: int) -> bool:
-        return step >= self._next
+        return step >= self._next or (not self.every and step < DENSE_START)
 
     def observe(self, step: int, step_ms: float, probe_ms: float, sampled: bool) -> None:
         """Record a finished step and schedule the next sampled one."""

@@ -257,3 +257,13 @@ def test_an_update_the_sample_misses_is_still_seen(run_dir):
                        "WHERE p.path = '0.weight'").fetchall()
     assert rows and all(r[0] > 0 for r in rows)
     assert con.execute("SELECT moved FROM params WHERE path = '0.weight'").fetchone()[0] == 1
+
+
+def test_default_sampling_reports_the_demo_bugs_within_the_first_steps(run_dir):
+    model = zoo.XORClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir) as w:          # the overhead budget, no every=
+        train(model, opt, w, 4, xor_batches())
+        found = codes(w.findings())
+    assert ("not-updating", "encoder.blocks[0].weight") in found
+    assert ("grad-accumulating", "encoder.blocks[2].bias") in found
