@@ -128,4 +128,8 @@ def registry(device: str = "cpu") -> dict[str, tuple[Callable, Callable, Callabl
                                       torch.randint(0, 512, (4, 128), generator=g))), seq_loss),
         "hf-gpt2": (hf_gpt2, batch(lambda g: (torch.randint(0, 1024, (4, 128), generator=g),
                                               torch.randint(0, 1024, (4, 128), generator=g))), seq_loss),
+        # GPT-2 small (124M parameters, random init) for the accelerator run
+        "hf-gpt2-small": (lambda: hf_gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, n_positions=1024),
+                          batch(lambda g: (torch.randint(0, 50257, (8, 512), generator=g),
+                                           torch.randint(0, 50257, (8, 512), generator=g))), seq_loss),
     }
