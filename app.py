@@ -131,9 +131,15 @@ def serve_main(argv: list[str]) -> int:
     app = create_app(config)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
-    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    all_interfaces = args.host in ("0.0.0.0", "::", "")
+    if all_interfaces:
+        import socket
+        shown_host = socket.gethostname()
+    else:
+        shown_host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
-    print(f"modscope dashboard: {url}", flush=True)
+    print(f"modscope dashboard: {url}" + ("  (listening on all interfaces)" if all_interfaces else ""),
+          flush=True)
 
     def on_term(signum, frame):
         raise SystemExit(0)

@@ -5,6 +5,14 @@
 //    "ui-click" store, whose server callback updates the selection / expanded nodes / URL.
 //    (One pattern-matching callback input per row made large trees slow to render.)
 // 2. Opening a finding's "evidence" must not also open its module.
+// Keyboard: Enter or Space on a focused clickable element acts like a click.
+document.addEventListener("keydown", function (e) {
+  if ((e.key === "Enter" || e.key === " ") && e.target && e.target.getAttribute &&
+      e.target.getAttribute("data-action")) {
+    e.preventDefault();
+    e.target.click();
+  }
+});
 document.addEventListener("click", function (e) {
   var t = e.target;
   if (!t || !t.closest) { return; }
@@ -37,12 +45,13 @@ document.addEventListener("click", function (e) {
     div.style.paddingLeft = r.indent + "rem";
     if (r.toggle) {
       div.appendChild(span("tree-toggle", r.toggle, {"data-action": "toggle", "data-mid": String(r.id),
-        "title": r.toggle === "▾" ? "collapse" : "expand"}));
+        "title": r.toggle === "▾" ? "collapse" : "expand", "role": "button", "tabindex": "0",
+        "aria-expanded": r.toggle === "▾" ? "true" : "false"}));
     } else {
       div.appendChild(span("tree-toggle-space"));
     }
     div.appendChild(span("tree-label mono", r.label, {"data-action": "select", "data-mid": String(r.id),
-      "title": r.path || "(root)"}));
+      "title": r.path || "(root)", "role": "button", "tabindex": "0"}));
     if (r.type) { div.appendChild(span("tree-type", r.type)); }
     if (r.kind !== "registered") { div.appendChild(span("badge kind-" + r.kind, r.kind, {"title": r.kind_title})); }
     (r.badges || []).forEach(function (b) {

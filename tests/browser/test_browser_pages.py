@@ -103,3 +103,15 @@ def test_rank_selector(page, server_factory, tmp_path):
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='only_on_rank1']"), "rank 1 tree")
     click(page, ".nav-link", "Overview")
     wait_text(page, "rank 1 of 2", "#ov-cards")
+
+
+def test_tree_works_from_the_keyboard(page, server_factory, demo_store):
+    from selenium.webdriver.common.keys import Keys
+    srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
+    page.get(srv.url + "modules")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='head']"), "the tree")
+    page.find_element(By.CSS_SELECTOR, ".tree-row[data-path='head'] .tree-label").send_keys(Keys.ENTER)
+    wait_text(page, "head", "#detail-header h2")
+    page.find_element(By.CSS_SELECTOR, ".tree-row[data-path='encoder'] .tree-toggle").send_keys(Keys.ENTER)
+    wait_for(page, lambda d: not d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='encoder.blocks[0]']"),
+             "encoder collapsed")
