@@ -213,6 +213,7 @@ def register_shell(app: Dash, config: AppConfig) -> None:
             new["n"] = int(old.get("n", 0)) + 1
             return new, _banner(new, config)
 
+    if config.mode != "compare":
         @app.callback(Output(ids.RUN_STATUS, "children"), Input(ids.TICK, "data"))
         def run_status(tick):
             if not tick or not tick.get("ready"):
@@ -221,7 +222,6 @@ def register_shell(app: Dash, config: AppConfig) -> None:
             status = (struct[2] or [None])[0]
             return f"step {tick.get('step')}" + (f" · {status}" if status else "")
 
-    if config.mode != "compare":
         @app.callback(Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
                       Input(ids.TICK, "data"), Input(ids.RANK, "value"))
         def findings_count(tick, rank):
@@ -236,27 +236,28 @@ def register_shell(app: Dash, config: AppConfig) -> None:
             worst = next((s for s in ("error", "warning", "info") if sev.get(s)), None)
             return (str(total) if total else ""), f"nav-count sev-{worst}" if worst else "nav-count"
 
-        @app.callback(Output(ids.DOWNLOAD_SNAPSHOT, "data"), Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"),
-                      prevent_initial_call=True)
+        @app.callback(Output(ids.DOWNLOAD_SNAPSHOT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
+                      Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), prevent_initial_call=True)
         def download_snapshot(n):
             if not n:
                 raise PreventUpdate
             try:
                 data = config.store.snapshot_bytes()
                 ov = config.store.overview()
-            except StoreError:
-                return no_update
+            except StoreError as exc:
+                return no_update, html.Div(f"Snapshot failed: {exc}", className="banner-error")
             name = f"{_safe_filename(ov.get('run_name'))}-step{ov.get('step')}.sqlite"
-            return dcc.send_bytes(data, filename=name)
+            return dcc.send_bytes(data, filename=name), no_update
 
-        @app.callback(Output(ids.DOWNLOAD_REPORT, "data"), Input(ids.EXPORT_REPORT_BTN, "n_clicks"),
-                      State(ids.RANK, "value"), prevent_initial_call=True)
+        @app.callback(Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
+                      Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.RANK, "value"), prevent_initial_call=True)
         def download_report(n, rank):
             if not n:
                 raise PreventUpdate
             try:
                 text = build_report(config.store, rank or 0)
                 ov = config.store.overview(rank or 0)
-            except StoreError:
-                return no_update
-            return dcc.send_string(text, filename=f"{_safe_filename(ov.get('run_name'))}-report.html")
+            except StoreError as exc:
+                return no_update, html.Div(f"Report failed: {exc}", className="banner-error")
+            return (dcc.send_string(text, filename=f"{_safe_filename(ov.get('run_name'))}-report.html"),
+                    no_update)
