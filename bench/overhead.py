@@ -11,7 +11,6 @@ Prints median ms/step per configuration and the overhead over bare training.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os

@@ -77,7 +77,7 @@ class StepMeasurements:
         for i, c in enumerate(self._chunks):
             by_device.setdefault(c.device, []).append(i)
         out: list[list[float]] = [[] for _ in self._chunks]
-        for device, idx in by_device.items():
+        for idx in by_device.values():
             flat = torch.cat([self._chunks[i] for i in idx]).cpu().tolist()
             pos = 0
             for i in idx:

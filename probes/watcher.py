@@ -1,10 +1,12 @@
 """The Watcher: attaches to a model and its optimizer(s), samples steps, streams to the store.
 
-Hooks exist only on sampled steps: two global module hooks (forward pre/post, filtered to
-this model) and one gradient hook per watched trainable tensor; optimizer step hooks mark
-step boundaries and stay for the whole run (they are not module hooks, so modules keep
-PyTorch's no-hook fast path on unsampled steps). Every hook body runs inside ``_guard``:
-an exception is counted, stored and never reaches the training loop.
+Hooks exist only on sampled steps. A sampled step is armed with forward pre-hooks on the root
+and its children; its first forward attaches two global module hooks (forward pre/post,
+filtered to this model) and one gradient hook per watched trainable tensor; the step's end
+removes them all. Optimizer step hooks mark step boundaries and stay for the whole run (they
+are not module hooks, so modules keep PyTorch's no-hook fast path on unsampled steps). Every
+hook body runs inside ``_guard``: an exception is counted, stored and never reaches the
+training loop.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import math
 import os
 import platform
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -691,19 +692,20 @@ class Watcher:
     def _tensor_samples(self, step: int, st: _StepState, values: list[list[float]]) -> dict[int, TensorSample]:
         out: dict[int, TensorSample] = {}
         tids = set(st.grad_slots) | set(st.data_slots) | st.arrived
+        def pick(slots: dict[int, tuple[int, int]], tid: int) -> float | None:
+            sp = slots.get(tid)
+            return values[sp[0]][sp[1]] if sp is not None else None
         for tid in tids:
-            def pick(slots):
-                sp = slots.get(tid)
-                return values[sp[0]][sp[1]] if sp is not None else None
             stale = values[st.stale[tid]][0] if tid in st.stale else None
-            data, update, post = pick(st.data_slots), pick(st.update_slots), pick(st.post_slots)
+            data, update, post = (pick(st.data_slots, tid), pick(st.update_slots, tid),
+                                  pick(st.post_slots, tid))
             if update is not None:
                 numel = self._tensor_nodes[tid].numel
                 k = measure.sample_size(numel)
                 update *= math.sqrt(numel / k) if k else 0.0
                 if update == 0.0 and post is not None and data is not None and post != data:
                     update = abs(post - data)        # the sample missed the change: a lower bound
-            out[tid] = TensorSample(step=step, grad_norm=pick(st.grad_slots), data_norm=data,
+            out[tid] = TensorSample(step=step, grad_norm=pick(st.grad_slots, tid), data_norm=data,
                                     update_norm=update, stale_grad_norm=stale, arrived=tid in st.arrived)
         return out
 

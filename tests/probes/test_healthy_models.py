@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 import probes
 import zoo
-from helpers import train
 
 
 def errors(w):
@@ -100,7 +99,7 @@ def test_hugging_face_models_raise_no_error(name, run_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(1, 100, (2, 12))
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for step in range(3):
+        for _ in range(3):
             if name == "t5":
                 out = model(input_ids=ids, labels=torch.randint(1, 100, (2, 6)))
             else:

@@ -229,7 +229,7 @@ def test_gan_with_two_optimizers(run_dir):
 def test_without_optimizer_steps_come_from_w_step(run_dir):
     model = zoo.MLP()
     with probes.watch(model, run_dir=run_dir, every=2) as w:
-        for i in range(5):
+        for _ in range(5):
             loss = model(torch.randn(4, 32)).pow(2).mean()
             loss.backward()
             with torch.no_grad():
