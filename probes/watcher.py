@@ -149,6 +149,7 @@ class Watcher:
             "device": _model_device(model),
             "sampling": {"every": every, "overhead": overhead, "window": window},
             "started_at": now, "updated_at": now, "status": "running", "step": 0}), droppable=False)
+        self._compiled = _is_compiled(model)
         self._structure: ModelStructure = self._build(model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(functools.partial(self._on_opt_pre, oi)))
@@ -319,6 +320,13 @@ class Watcher:
         finally:
             self._probe_s += time.perf_counter() - t0
 
+    def _eager(self, fn: Callable) -> Callable:
+        """Under torch.compile, run our hooks eagerly instead of letting dynamo trace them (which
+        would break graphs and recompile); a plain function otherwise (no wrapper cost)."""
+        if self._compiled and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+            return torch.compiler.disable(fn)
+        return fn
+
     def _arm(self) -> None:
         """Prepare a sampled step: only forward pre-hooks on the root and its children, which
         attach the real hooks at the first forward of the step. Between steps (and so around
@@ -328,7 +336,7 @@ class Watcher:
         top = [n.module for n in self._structure.modules
                if n.module is not None and (n.parent_id is None or n.parent_id == self._root_id)]
         for module in top:
-            st.handles.append(module.register_forward_pre_hook(self._on_trigger))
+            st.handles.append(module.register_forward_pre_hook(self._eager(self._on_trigger)))
 
     def _on_trigger(self, module: nn.Module, args: Any) -> None:
         st = self._state
@@ -340,14 +348,14 @@ class Watcher:
             st.handles.clear()
             st.live = True
             mod = torch.nn.modules.module
-            st.handles.append(mod.register_module_forward_pre_hook(self._on_pre_forward))
-            st.handles.append(mod.register_module_forward_hook(self._on_forward))
+            st.handles.append(mod.register_module_forward_pre_hook(self._eager(self._on_pre_forward)))
+            st.handles.append(mod.register_module_forward_hook(self._eager(self._on_forward)))
             for t in self._structure.tensors:
                 tensor = t.tensor
                 if tensor is None or t.kind == "buffer" or measure_skip(tensor) or not tensor.requires_grad \
                         or tensor.grad_fn is not None:
                     continue
-                st.handles.append(tensor.register_hook(functools.partial(self._on_grad, t.param_id)))
+                st.handles.append(tensor.register_hook(self._eager(functools.partial(self._on_grad, t.param_id))))
         # the global pre-hook registered just now does not run for the call in progress
         self._on_pre_forward(module, args)
 
@@ -430,7 +438,7 @@ class Watcher:
             st.rows.setdefault(mid, []).append((slot, st.order, training, grad_on, x.numel()))
             if grad_on and x.requires_grad:
                 st.grad_targets[key] = [mid]
-                x.register_hook(functools.partial(self._on_output_grad, st, key))
+                x.register_hook(self._eager(functools.partial(self._on_output_grad, st, key)))
 
     def _on_output_grad(self, st: _StepState, key: tuple, grad: torch.Tensor) -> None:
         if st is not self._state or self._closed:
@@ -806,6 +814,13 @@ def measure_skip(t: torch.Tensor) -> bool:
 
 def _finite_row(row: tuple) -> tuple:
     return tuple(records.finite_or_none(v) if isinstance(v, float) else v for v in row)
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """torch.compile(model) (an OptimizedModule) or model.compile() on the root or a child."""
+    if type(model).__name__ == "OptimizedModule":
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *model.children()))
 
 
 def _model_device(model: nn.Module) -> str:

@@ -304,3 +304,16 @@ def test_failure_while_finishing_a_sample_still_ends_the_step(run_dir, monkeypat
         assert w.probe_errors[("finish-sample", "ZeroDivisionError")]["count"] == 2
         from torch.nn.modules import module as m
         assert not m._global_forward_hooks          # unsampled step 3: no hooks left behind
+
+
+def test_compiled_model(run_dir):
+    model = zoo.MLP()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(compiled, opt, run_dir=run_dir, every=1) as w:
+        train(compiled, opt, w, 3, lambda: (torch.randn(8, 32), torch.randint(0, 10, (8,))))
+        assert not w.probe_errors
+    con = sqlite3.connect(w.store_path)
+    measured = {r[0] for r in con.execute(
+        "SELECT DISTINCT m.path FROM module_stats s JOIN modules m USING(rank, module_id)")}
+    assert "_orig_mod.net.0" in measured
