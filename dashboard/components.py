@@ -46,7 +46,7 @@ def badge(code: str, severity: str) -> html.Span:
 def finding_badges(findings: list[dict], kind: str = "registered") -> list:
     """One badge per finding code (the kind badge already says "unregistered")."""
     seen, out = set(), []
-    if kind == "unregistered":
+    if kind != "registered":
         seen.add("unregistered-module")
     for f in findings:
         if f["code"] in seen:

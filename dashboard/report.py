@@ -41,7 +41,7 @@ def _css() -> str:
 
 
 def _badges(findings: list[dict], kind: str = "registered") -> str:
-    seen, out = ({"unregistered-module"} if kind == "unregistered" else set()), []
+    seen, out = ({"unregistered-module"} if kind != "registered" else set()), []
     for f in findings:
         if f["code"] in seen:
             continue

@@ -81,7 +81,7 @@ def tree_row(m: dict, *, expanded: bool, selected: bool, findings: list[dict], i
              show_path: bool = False) -> dict:
     """Everything one tree row shows, as plain data (pure)."""
     has_children = m["n_children"] > 0 and not show_path
-    seen = {"unregistered-module"} if m["kind"] == "unregistered" else set()
+    seen = {"unregistered-module"} if m["kind"] != "registered" else set()
     badges = []
     for f in findings:
         if f["code"] not in seen:
