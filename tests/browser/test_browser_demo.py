@@ -144,3 +144,68 @@ def test_compare_demo_before_and_after_fix(page, server_factory, tmp_path):
     summary = page.find_element(By.ID, "cmp-summary").text
     assert "82" in summary and "898" in summary
     screenshot(page, "compare")
+
+
+KITCHEN = r'''
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+import probes
+
+hidden = nn.Linear(8, 8)                       # only a closure holds it: a "runtime" module
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)                    # NaN for negative inputs
+
+
+class Kitchen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = [nn.Linear(8, 8), nn.Tanh()]          # plain list
+        self.gate = torch.ones(8, requires_grad=True)       # unregistered tensor
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.weight.requires_grad_(False)
+        self.log = Log()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        for b in self.blocks:
+            h = b(h)
+        h = hidden(self.frozen(h)) * self.gate
+        return self.head(h + 0 * self.log(h).nan_to_num())
+
+
+torch.manual_seed(0)
+m = Kitchen()
+opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+with probes.watch(m, opt, run_dir=sys.argv[1], every=1) as w:
+    for _ in range(20):
+        loss = F.cross_entropy(m(x), y)
+        opt.zero_grad(); loss.backward(); opt.step(); w.step(loss)
+'''
+
+
+def test_real_store_with_many_bug_classes(page, server_factory, tmp_path):
+    """A real probes store with unregistered, runtime, frozen and NaN-producing modules renders on
+    every page with a clean console."""
+    script = tmp_path / "kitchen.py"
+    script.write_text(KITCHEN)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, cwd=str(REPO),
+                   env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    srv = server_factory(["--run", str(tmp_path / "run")])
+    page.get(srv.url)
+    wait_text(page, "Kitchen", "#ov-cards")
+    click(page, ".nav-link", "Modules")
+    runtime = wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-kind='runtime'] .tree-label"),
+                       "the closure's Linear drawn as a runtime module")
+    runtime[0].click()
+    wait_text(page, "<unreachable Linear>", "#detail-header h2")
+    assert {"blocks[0]", "blocks[1]"} <= {el.text for el in page.find_elements(
+        By.CSS_SELECTOR, ".tree-row[data-kind='unregistered'] .tree-label")}
+    click(page, ".nav-link", "Findings")
+    wait_text(page, "unregistered-tensor", "#findings-list")
+    screenshot(page, "findings-kitchen")
