@@ -103,6 +103,8 @@ class DynamicDetectors:
             if mid not in module_path or len(hist) < MIN_SAMPLES:
                 continue
             last = hist[-1]
+            if last.nonfinite:
+                continue            # NaN/Inf make dead/constant/saturated meaningless: non-finite says it
             path, typ = module_path[mid], module_type.get(mid, "")
             stds = [s.std for s in hist]
             constant = last.numel > 1 and all(s is not None and s == 0.0 for s in stds)

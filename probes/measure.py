@@ -155,12 +155,14 @@ def call_vector(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: 
             sat = _const(NOT_APPLICABLE, xf.device)
         stride = max(1, n // HIST_SAMPLE)
         sample = flat[::stride][:HIST_SAMPLE].to(torch.float32)
+        # the histogram counts finite values only (NaN/Inf are counted in `nonfinite`)
         if on_cpu:
-            hist = torch.histogram(sample if finite_known else sample.nan_to_num(nan=-float("inf")),
+            hist = torch.histogram(sample if finite_known else sample[torch.isfinite(sample)],
                                    bins=edges).hist
         else:
-            ge = (sample.unsqueeze(1) >= edges[1:-1]).sum(0).to(torch.float32)     # deterministic, no atomics
-            m = float(sample.numel())
+            finite = torch.isfinite(sample)
+            ge = ((sample.unsqueeze(1) >= edges[1:-1]) & finite.unsqueeze(1)).sum(0).to(torch.float32)
+            m = finite.sum().to(torch.float32)           # deterministic, no atomics, no sync
             hist = torch.cat([(m - ge[:1]), ge[:-1] - ge[1:], ge[-1:]])
         # the zero fraction is read on the host from the histogram's zero bin (|x| < 1e-6)
         zero_frac = _const(NOT_APPLICABLE, xf.device)

@@ -177,6 +177,18 @@ def test_non_finite_names_the_first_producer(run_dir):
     assert nf[0].evidence["modules_affected"] >= 2      # out and the root inherit it
 
 
+def test_divergence_to_nan_is_one_non_finite_finding_not_dead_layers(run_dir):
+    model = zoo.MLP(din=8, hidden=16, dout=2, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.no_grad():
+        model.net[0].weight.fill_(float("nan"))          # diverged: NaN flows through every layer
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        found = w.findings()
+    assert not [f for f in found if f.code in ("dead-layer", "dead-units", "saturated")]
+    assert [f.path for f in found if f.code == "non-finite" and f.evidence["kind"] == "activation"] == ["net.0"]
+
+
 def test_forward_bypassed(run_dir):
     model = zoo.Bypass()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -127,3 +127,9 @@ def test_norms_and_sampled_update_norms():
     k = M.sample_size(100_000)
     estimate = d[3] * math.sqrt(100_000 / k)
     assert estimate == pytest.approx(0.5 * math.sqrt(100_000), rel=1e-4)
+
+
+def test_histogram_leaves_out_nan_and_inf():
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    head, hist, _ = stats(x)
+    assert head["nonfinite"] == 2 and sum(hist) == 2
