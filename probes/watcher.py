@@ -186,15 +186,17 @@ class Watcher:
         with self._lock:
             return F.sort_findings([f for f, _, _ in self._active.values()])
 
-    def snapshot(self, path: str | os.PathLike) -> Path:
-        """Write a single-file snapshot (SQLite) of the run so far and return its path."""
+    def snapshot(self, path: str | os.PathLike) -> str | Path:
+        """Write a single-file snapshot (SQLite) of the run so far and return its path (a str when
+        given a str, else a Path)."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"snapshot path must be a str or os.PathLike, got {type(path).__qualname__}: {path!r:.80}")
         if not self._closed:
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
-        return _snapshot(self.store_path, path)
+        written = _snapshot(self.store_path, path)
+        return str(written) if isinstance(path, str) else written
 
     def close(self) -> None:
         """Remove every hook, flush and close the store. Idempotent."""
