@@ -12,6 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCRIPT = REPO / "examples" / "demo_train.py"
+# default arguments of the demo: train until stopped, sampling every step
+DEMO_ARGS = ("--steps", "0", "--delay", "0.1")
 
 
 def fresh_run_dir(base: Path) -> Path:
