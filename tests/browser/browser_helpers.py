@@ -119,12 +119,17 @@ def browser(download_dir):
 
 
 @pytest.fixture
-def page(browser):
-    """The shared browser, with its console drained before and checked after the test."""
+def page(browser, server_factory):
+    """The shared browser, with its console drained before and checked after the test. It
+    depends on ``server_factory`` so that the console is checked, and the page left, before the
+    test's servers stop (a poll still in flight then would fail with "connection refused")."""
     browser.get("about:blank")
     browser.get_log("browser")
     yield browser
-    assert_console_clean(browser)
+    try:
+        assert_console_clean(browser)
+    finally:
+        browser.get("about:blank")
 
 
 def console_errors(driver) -> list[dict]:
