@@ -81,6 +81,21 @@ document.addEventListener("click", function (e) {
       highlight(box, selected);
       return window.dash_clientside.no_update;
     },
+    // The selection a click makes (dashboard/pages/modules.py handle_click does the rest: the
+    // ancestors to expand, the page): {rank, module_id}; another rank clears it.
+    selectFromClick: function (click, rank, selected) {
+      var ctx = window.dash_clientside.callback_context;
+      var trig = ctx && ctx.triggered && ctx.triggered.length ? ctx.triggered[0].prop_id : "";
+      if (trig === "rank-select.value") { return null; }
+      if (!click || (click.action !== "select" && click.action !== "open")) {
+        return window.dash_clientside.no_update;
+      }
+      var mid = Number(click.id);
+      if (!Number.isInteger(mid) || mid < 0) { return window.dash_clientside.no_update; }
+      var r = rank || 0;
+      if (selected && selected.module_id === mid && selected.rank === r) { return window.dash_clientside.no_update; }
+      return {rank: r, module_id: mid};
+    },
     highlightSelected: function (selected) {
       var box = document.getElementById("tree");
       if (box) { highlight(box, selected); }
