@@ -186,6 +186,20 @@ def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[t
         yield idx, [tensors[i] for i in idx]
 
 
+_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """Index tensors on the device, made once (a host-to-device copy per step would be a sync)."""
+    key = (tuple(idx), device)
+    t = _INDEX.get(key)
+    if t is None:
+        if len(_INDEX) > 256:
+            _INDEX.clear()
+        t = _INDEX[key] = torch.tensor(idx, device=device)
+    return t
+
+
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """L2 norms of many tensors as one float32 vector on the first tensor's device."""
     if not tensors:
@@ -202,7 +216,7 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
                 vals = torch.stack(torch._foreach_norm(group))
             else:
                 vals = torch.stack([norm32(t) for t in group])
-            out[torch.tensor(idx, device=device)] = vals.to(device=device, dtype=torch.float32)
+            out[_index(idx, device)] = vals.to(device=device, dtype=torch.float32)
     return out
 
 

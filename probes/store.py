@@ -30,21 +30,39 @@ class StoreError(RuntimeError):
 
 
 def connect_writer(path: str | os.PathLike) -> sqlite3.Connection:
+    """Open (creating if needed) a store for writing: WAL, schema, version check."""
     path = Path(path)
     try:
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{path}: not a modscope store (SQLite says: {exc})") from None
-    if version > SCHEMA_VERSION:
-        conn.close()
-        raise StoreError(f"{path}: written by store schema version {version}; this probes library "
-                         f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")    # durable against a killed process; WAL commits are atomic
+        raise StoreError(f"{path}: cannot open (SQLite says: {exc})") from None
     conn.execute("PRAGMA busy_timeout=30000")    # several ranks may share one file
-    conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
-    return conn
+    # Ranks starting together race for the first journal-mode switch, which SQLite answers with
+    # SQLITE_BUSY at once instead of waiting: retry for a while.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                conn.close()
+                raise StoreError(f"{path}: written by store schema version {version}; this probes library "
+                                 f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")   # durable against a killed process; WAL commits are atomic
+            conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+            return conn
+        except sqlite3.OperationalError as exc:
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            if not busy or time.monotonic() > deadline:
+                conn.close()
+                what = "is locked by another process" if busy else f"cannot be written (SQLite says: {exc})"
+                raise StoreError(f"{path}: {what}") from None
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            time.sleep(0.05)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise StoreError(f"{path}: not a modscope store (SQLite says: {exc})") from None
 
 
 class StoreWriter:

@@ -640,7 +640,12 @@ class Watcher:
         if -1 in st.before:
             tids, before = st.before.pop(-1)
             self._measure_updates(st, tids, before)
+        pending, self._pending_losses = self._pending_losses, []
+        loss_slots = [(s, st.m.add(v.reshape(-1)[:1])) for s, v in pending]
         values = st.m.fetch()                       # the one host copy of this step
+        if loss_slots:
+            now = time.time()
+            self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._recent_samples.append(step)
         if self._sample_index % THIN_EVERY == 0 and len(self._recent_samples) >= THIN_RECENT:
@@ -774,8 +779,9 @@ class Watcher:
             if loss.device.type == "cpu":
                 loss = float(loss.reshape(-1)[0]) if loss.numel() else None
             else:
+                # read with the next sampled step's single host copy (or after 64 steps, or at close)
                 self._pending_losses.append((step, loss))
-                if len(self._pending_losses) >= 64 or self._sampled:
+                if len(self._pending_losses) >= 64:
                     self._flush_losses()
                 return
         elif loss is not None:

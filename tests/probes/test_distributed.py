@@ -47,3 +47,27 @@ def test_two_ranks_share_one_store(tmp_path):
     paths = {r[0] for r in con.execute(
         "SELECT path FROM findings WHERE rank=1 AND code='unregistered-module' AND active=1")}
     assert paths == {"module.encoder.blocks[0]", "module.encoder.blocks[1]", "module.encoder.blocks[2]"}
+
+
+
+def test_a_rank_waits_while_another_rank_creates_the_store(tmp_path):
+    """Ranks start together: one is creating the file while the next switches it to WAL, which
+    SQLite refuses at once (SQLITE_BUSY, no busy wait). The writer must retry, not fail."""
+    sys.path[:0] = [str(HERE.parents[1])]
+    import threading
+    import time
+
+    from probes.store import StoreWriter
+    path = tmp_path / "s.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")                  # the other rank, mid-creation (a write lock)
+    holder.execute("CREATE TABLE placeholder (x)")
+    threading.Timer(0.5, lambda: holder.execute("COMMIT")).start()
+    t0 = time.monotonic()
+    writer = StoreWriter(path)
+    writer.close()
+    assert time.monotonic() - t0 >= 0.4                 # it waited for the lock ...
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"   # ... and then set the store up
+    assert con.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='steps'").fetchone()[0] == 1
+    holder.close()
