@@ -41,20 +41,6 @@ SERIES_KEYS = MappingProxyType({ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC
                                ids.DETAIL_GRAD: ("out_grad_norm",)})
 
 
-def warm_figures() -> dict:
-    """The charts' first figures: dummies of the real kind, drawn (invisible) at page load, so
-    that plotly.js compiles and sets up its line, legend and heat-map code then rather than on
-    the first module opened (that first opening cost ~100 ms more than the next ones)."""
-    n = 50
-    series = {"step": list(range(n)), "mean": [0.0] * n, "std": [1.0] * n, "dead_frac": [0.0] * n,
-              "sat_frac": [0.0] * n, "zero_frac": [0.0] * n, "out_grad_norm": [1.0] * n}
-    hist = {"step": list(range(n)), "counts": [[1, 2, 1]] * n, "edges": [-1.0, 1.0]}
-    return {ids.DETAIL_ACT: figures.activation_figure(series, "warm"),
-            ids.DETAIL_FRAC: figures.fractions_figure(series, "warm"),
-            ids.DETAIL_GRAD: figures.grad_figure(series, "warm"),
-            ids.DETAIL_HEAT: figures.heatmap_figure(hist, "warm")}
-
-
 def layout(config) -> html.Div:
     return html.Div([
         html.Div([
@@ -74,7 +60,7 @@ def layout(config) -> html.Div:
                      children=message("Select a module in the tree.")),
             html.Div([
                 *[dcc.Graph(id=gid, config=graph_config(), responsive=True,
-                            figure=warm_figures()[gid],
+                            figure=figures.empty_figure(""),
                             style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=hidden()),
