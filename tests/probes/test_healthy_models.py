@@ -114,9 +114,7 @@ def test_hugging_face_models_raise_no_error(name, run_dir):
         model.train()
         assert errors(w) == []
         assert not w.probe_errors, w.probe_errors
-        # statistics really were taken on these models
-        assert len(w.findings()) >= 0
     import sqlite3
     con = sqlite3.connect(w.store_path)
     n = con.execute("SELECT COUNT(DISTINCT module_id) FROM module_stats").fetchone()[0]
-    assert n > 10
+    assert n > 10                                  # statistics really were taken on these models
