@@ -1,6 +1,6 @@
 """The seed's XOR classifier, with its silent bug: the encoder keeps its blocks in a plain list.
 
-    python examples/demo_train.py                  # watch it: python app.py --run runs/demo
+    python examples/demo_train.py                  # then: python app.py --run runs/<printed dir>
     python examples/demo_train.py --fixed          # the same model with nn.ModuleList
 
 It trains, validation accuracy rises, and three Linear layers (816 numbers) are never seen
@@ -57,7 +57,7 @@ def xor_data(n: int = 2000, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run-dir", default="runs/demo", help="where the store is written (default runs/demo)")
+    ap.add_argument("--run-dir", default=None, help="where the store is written (default: a new ./runs/<time>)")
     ap.add_argument("--steps", type=int, default=200, help="training steps; 0 = run until stopped")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds to sleep per step (keeps a demo live)")
     ap.add_argument("--every", type=int, default=None, help="sample every N steps (default: overhead budget)")
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     every = args.every if args.every is not None else (1 if args.delay > 0 else None)
     with probes.watch(model, optimizer, run_dir=args.run_dir, every=every,
                       run_name="demo (fixed)" if args.fixed else "demo") as w:
+        print(f"writing to {w.run_dir}", flush=True)
         step = 0
         while args.steps == 0 or step < args.steps:
             logits = model(X_train)
