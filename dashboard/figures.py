@@ -123,6 +123,60 @@ def grad_figure(series: dict, uirevision: object, height: int = 240) -> dict:
                   height, log=all(v > 0 for v in vals) and _spread(vals) > 50)
 
 
+DETAIL_PANELS = (
+    # (title, ((series key, label), ...), y-domain): the order is the order of the traces
+    ("Activation mean / std", (("mean", "mean"), ("std", "std")), (0.70, 1.0)),
+    ("Fractions of units", (("dead_frac", "dead units"), ("sat_frac", "saturated"),
+                            ("zero_frac", "zeros")), (0.35, 0.63)),
+    ("Output grad norm", (("out_grad_norm", "‖∂loss/∂output‖"),), (0.0, 0.28)),
+)
+
+
+def detail_series_figure(series: dict, uirevision: object, height: int = 700) -> dict:
+    """The module detail's three line charts (activation mean/std, dead/saturated/zero fractions,
+    output grad norm) as one figure of three panels sharing the step axis: one plotly draw
+    instead of three. Traces in DETAIL_PANELS order; the grad trace only when there are
+    gradients (otherwise its panel says why)."""
+    steps = series.get("step") or []
+    if not steps:
+        return empty_figure("No activation samples for this module yet.", height)
+    layout = _base(None, height, uirevision)
+    layout["margin"] = {"l": 52, "r": 28, "t": 30, "b": 40}
+    layout["xaxis"] = _axis(anchor="y3")
+    if max(steps) - min(steps) < 8:
+        layout["xaxis"]["dtick"] = 1
+    data, annotations = [], []
+    grads = [v for v in (series.get("out_grad_norm") or []) if v is not None]
+    for k, (title, keys, domain) in enumerate(DETAIL_PANELS):
+        yname, legend = ("yaxis", "legend") if k == 0 else (f"yaxis{k + 1}", f"legend{k + 1}")
+        yref = yname.replace("axis", "")
+        ax = _axis(domain=list(domain), anchor="x")
+        annotations.append({"text": title, "showarrow": False, "xref": "paper", "yref": "paper",
+                            "x": 0, "y": domain[1], "xanchor": "left", "yanchor": "bottom",
+                            "font": {"size": 14}})
+        layout[legend] = {"orientation": "h", "x": 1, "xanchor": "right", "y": domain[1],
+                          "yanchor": "bottom", "bgcolor": "rgba(0,0,0,0)"}
+        if k == 1:
+            ax["range"] = [-0.02, 1.02]
+        if k == 2:
+            if not grads:
+                ax["visible"] = False
+                annotations.append({"text": "No output gradients recorded (no backward on sampled steps).",
+                                    "showarrow": False, "xref": "paper", "yref": "paper", "x": 0.5,
+                                    "y": sum(domain) / 2, "font": {"size": 13, "color": "#6b7280"}})
+                layout[yname] = ax
+                continue
+            if all(v > 0 for v in grads) and _spread(grads) > 50:
+                ax["type"] = "log"
+        layout[yname] = ax
+        for i, (key, label) in enumerate(keys):
+            tr = _scatter(steps, series.get(key) or [], label, SERIES_COLORS[i % 5], len(steps))
+            tr.update(xaxis="x", yaxis=yref, legend=legend)
+            data.append(tr)
+    layout["annotations"] = annotations
+    return {"data": data, "layout": layout}
+
+
 def bin_labels(edges: Sequence[float]) -> list[str]:
     """Labels for HIST_BINS = len(edges) + 1 bins: (-inf, e0), [e0, e1), ..., [e_last, inf)."""
     def f(x: float) -> str:

@@ -36,9 +36,8 @@ def graph_config() -> dict:
     return {"displaylogo": False, "displayModeBar": "hover"}
 
 
-SERIES_GRAPHS = (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD)
-SERIES_KEYS = MappingProxyType({ids.DETAIL_ACT: ("mean", "std"), ids.DETAIL_FRAC: ("dead_frac", "sat_frac", "zero_frac"),
-                               ids.DETAIL_GRAD: ("out_grad_norm",)})
+# the series of the detail chart's traces, in order (figures.DETAIL_PANELS; the last only with gradients)
+SERIES_KEYS = tuple(key for _, keys, _ in figures.DETAIL_PANELS for key, _ in keys)
 
 
 def layout(config) -> html.Div:
@@ -61,8 +60,8 @@ def layout(config) -> html.Div:
             html.Div([
                 *[dcc.Graph(id=gid, config=graph_config(), responsive=True,
                             figure=figures.empty_figure(""),
-                            style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "260px"})
-                  for gid in (ids.DETAIL_ACT, ids.DETAIL_FRAC, ids.DETAIL_GRAD, ids.DETAIL_HEAT)],
+                            style={"width": "100%", "height": "330px" if gid == ids.DETAIL_HEAT else "700px"})
+                  for gid in (ids.DETAIL_ACT, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=hidden()),
             html.Div(id=ids.DETAIL_PARAMS),
             html.Div(id=ids.DETAIL_FINDINGS),
@@ -285,11 +284,12 @@ def register(app, config) -> None:
     @app.callback(
         Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
         Output(ids.DETAIL, "style"),
-        Output(ids.DETAIL_ACT, "figure"), Output(ids.DETAIL_FRAC, "figure"), Output(ids.DETAIL_GRAD, "figure"),
+        Output(ids.DETAIL_ACT, "figure"),
         Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
         Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), State(ids.DETAIL_STATE, "data"))
     def render_detail(selected, tick, state):
-        """Header, findings, the three series charts (extended in place when live) and parameters."""
+        """Header, findings, the series chart (three panels, one figure; extended in place when
+        live) and parameters."""
         if not isinstance(selected, dict) or selected.get("module_id") is None or not tick or not tick.get("ready"):
             raise PreventUpdate
         rank, mid = selected.get("rank", 0), selected["module_id"]
@@ -301,7 +301,7 @@ def register(app, config) -> None:
         except StoreNotReady:
             raise PreventUpdate
         except StoreError as exc:
-            return ([message(str(exc), "bad")], None, hidden(), no_update, no_update, no_update, None, None)
+            return ([message(str(exc), "bad")], None, hidden(), no_update, None, None)
 
     @app.callback(Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
     def render_heat(state):
@@ -359,8 +359,7 @@ def select_module(store, rank: int, module_id: int, expanded, default_expanded):
 def _detail_full(store, rank: int, mid: int):
     m = store.module(rank, mid)
     if m is None:
-        return ([message(f"Module {mid} is not in this store.", "bad")], None, hidden(),
-                no_update, no_update, no_update, None, None)
+        return ([message(f"Module {mid} is not in this store.", "bad")], None, hidden(), no_update, None, None)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     items = store.findings(rank, active=None, module_id=mid)
     series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
@@ -369,8 +368,7 @@ def _detail_full(store, rank: int, mid: int):
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
     return (detail_header(m, own), findings_block, shown(),
-            figures.activation_figure(series, rev), figures.fractions_figure(series, rev),
-            figures.grad_figure(series, rev), params_table(params),
+            figures.detail_series_figure(series, rev), params_table(params),
             {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
              "has_grad": any(v is not None for v in series["out_grad_norm"])})
 
@@ -381,25 +379,22 @@ def _detail_increment(store, rank: int, mid: int, state: dict):
     new = store.module_series(rank, mid, since_step=state.get("last"))
     if not new["step"]:
         raise PreventUpdate
-    patches = []
-    for gid in SERIES_GRAPHS:
-        p = Patch()
-        for i, key in enumerate(SERIES_KEYS[gid]):
-            p["data"][i]["x"].extend(new["step"])
-            p["data"][i]["y"].extend(new[key])
-        patches.append(p)
     has_grad = state.get("has_grad", False)
-    if not any(v is not None for v in new["out_grad_norm"]):
-        patches[2] = no_update
-    elif not has_grad:
-        # the chart was the "no gradients yet" placeholder (no trace to extend): draw it whole
-        patches[2] = figures.grad_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
+    if not has_grad and any(v is not None for v in new["out_grad_norm"]):
+        # the grad panel was the "no gradients yet" message (no trace to extend): draw it all
+        chart = figures.detail_series_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
         has_grad = True
+    else:
+        chart = Patch()
+        grew = has_grad and any(v is not None for v in new["out_grad_norm"])
+        for i, key in enumerate(SERIES_KEYS if grew else SERIES_KEYS[:-1]):
+            chart["data"][i]["x"].extend(new["step"])
+            chart["data"][i]["y"].extend(new[key])
     params = params_table(store.module_params(rank, mid))
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     m = store.module(rank, mid)
     items = store.findings(rank, active=None, module_id=mid)
     findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
         if items else None
-    return (detail_header(m, own) if m else no_update, findings_block, no_update, *patches,
+    return (detail_header(m, own) if m else no_update, findings_block, no_update, chart,
             params, {**state, "last": new["last"], "has_grad": has_grad})
