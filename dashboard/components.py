@@ -115,3 +115,21 @@ def _td(c):
 
 def message(text: str, cls: str = "muted") -> html.Div:
     return html.Div(text, className=f"message {cls}")
+
+
+def finding_card(f: dict, **attrs) -> html.Div:
+    """One finding: severity and code, path, steps seen, message, fix and evidence. ``attrs`` go
+    to the outer Div (e.g. click attributes); its class marks severity and resolved ones."""
+    cls = f"finding sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")
+    if "className" in attrs:
+        cls = f"{attrs.pop('className')} {cls}"
+    return html.Div([
+        html.Div([severity_pill(f["severity"], f["code"]),
+                  html.Span(f["path"] or "(root)", className="mono path"),
+                  html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
+                  html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
+                  if f.get("first_step") is not None else None], className="finding-head"),
+        html.Div(f["message"], className="finding-message"),
+        html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
+        evidence_block(f.get("evidence")),
+    ], className=cls, **attrs)

@@ -7,7 +7,7 @@ from dash import Input, Output, dcc, html
 from dash.exceptions import PreventUpdate
 
 from .. import ids
-from ..components import evidence_block, message, severity_pill
+from ..components import finding_card, message, severity_pill
 from ..data import SEVERITIES, StoreError, StoreNotReady
 
 
@@ -36,17 +36,8 @@ def finding_list(items: list[dict], severities: list[str]) -> list:
                          for s in SEVERITIES if counts[s]], className="sev-row findings-summary"))
     for i, f in enumerate(shown[:MAX_SHOWN]):
         mid = f["module_id"] if f["module_id"] is not None else -1
-        out.append(html.Div([
-            html.Div([severity_pill(f["severity"], f["code"]),
-                      html.Span(f["path"] or "(root)", className="mono path"),
-                      html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
-                      html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
-                      if f.get("first_step") is not None else None], className="finding-head"),
-            html.Div(f["message"], className="finding-message"),
-            html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
-            evidence_block(f.get("evidence")),
-        ], title="click to show this module", **ids.click_attrs("open", mid),
-            className=f"finding clickable sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")))
+        out.append(finding_card(f, title="click to show this module", className="clickable",
+                                **ids.click_attrs("open", mid)))
     if len(shown) > MAX_SHOWN:
         out.append(message(f"first {MAX_SHOWN} of {len(shown):,} findings shown: narrow by severity, or "
                            "filter the module tree by finding"))

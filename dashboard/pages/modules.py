@@ -13,8 +13,8 @@ from dash import ClientsideFunction, Input, Output, Patch, State, ctx, dcc, html
 from dash.exceptions import PreventUpdate
 
 from .. import figures, ids
-from ..components import (code_label, evidence_block, finding_badges, kind_badge, message, params_text,
-                          severity_pill, table)
+from ..components import (code_label, finding_badges, finding_card, kind_badge, message, params_text,
+                          table)
 from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
 
 MAX_VISIBLE_ROWS = 2000
@@ -169,19 +169,7 @@ def detail_header(m: dict, own: list[dict]) -> list:
 
 
 def finding_cards(items: list[dict]) -> list:
-    out = []
-    for f in items:
-        out.append(html.Div([
-            html.Div([severity_pill(f["severity"], f["code"]),
-                      html.Span(f["path"] or "(root)", className="mono path"),
-                      html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
-                      html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
-                      if f.get("first_step") is not None else None], className="finding-head"),
-            html.Div(f["message"], className="finding-message"),
-            html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
-            evidence_block(f.get("evidence")),
-        ], className=f"finding sev-border-{f['severity']}"))
-    return out
+    return [finding_card(f) for f in items]
 
 
 def _yn(v) -> str:
