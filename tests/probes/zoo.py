@@ -1,11 +1,8 @@
 """A model zoo: the seeds' bug classes and healthy real-world architectures."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- healthy models
@@ -44,59 +41,11 @@ class ResNetSmall(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int, block: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.drop = nn.Dropout(0.1)
-        self.register_buffer("mask", torch.tril(torch.ones(block, block)).view(1, 1, block, block),
-                             persistent=False)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
-        att = self.drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.proj(y)
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, d: int, heads: int, block: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads, block)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """GPT-style: tied embedding/head weights, non-persistent causal mask buffers."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, block: int = 16) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(block, d)
-        self.drop = nn.Dropout(0.1)
-        self.blocks = nn.ModuleList([GPTBlock(d, heads, block) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight          # weight tying
-
-    def forward(self, idx):
-        T = idx.shape[1]
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
+def GPT(vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, block: int = 16) -> nn.Module:
+    """GPT-style (the benchmark's model, small): tied embedding/head weights, a non-persistent
+    causal mask buffer, dropout."""
+    from bench.models import GPT as BenchGPT
+    return BenchGPT(vocab=vocab, d=d, layers=layers, heads=heads, block=block)
 
 
 class LSTMTagger(nn.Module):
