@@ -6,24 +6,10 @@ import torch.nn as nn
 
 
 # ----------------------------------------------------------------------------- healthy models
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        identity = x if self.down is None else self.down(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity                      # in-place add, as torchvision does
-        return self.relu(out)
+def BasicBlock(cin: int, cout: int, stride: int = 1) -> nn.Module:
+    """The benchmark's residual block: ReLU(inplace=True), BatchNorm, in-place residual add."""
+    from bench.models import Block
+    return Block(cin, cout, stride)
 
 
 class ResNetSmall(nn.Module):
