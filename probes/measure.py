@@ -1,10 +1,12 @@
 """Device-side statistics. Everything is reduced where the tensor lives and appended to one
 list of small device vectors; ``StepMeasurements.fetch()`` copies them to the host once per
-device per sampled step (one host sync), never ``.item()`` per tensor."""
+device per sampled step (one host sync), never ``.item()`` per tensor, and derives the rest
+there in a batch."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+import math
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -17,6 +19,7 @@ HIST_SAMPLE = 1024            # the histogram is taken on at most this many even
 UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step() for the update norm
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NOT_APPLICABLE = -1.0
+ZERO_BIN = HIST_EDGES.index(1e-6)     # the bin [-1e-6, 1e-6)
 
 
 def float_tensors(output: Any, limit: int = 16) -> list[torch.Tensor]:
@@ -50,27 +53,68 @@ def primary(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return tensors[0] if tensors and tensors[0].numel() > 0 else None
 
 
+class CallLayout(NamedTuple):
+    """Where the parts of one call's raw chunk lie (see :func:`call_chunk`). A NamedTuple: one is
+    made per module call, and it keys the cached index plan."""
+    numel: int
+    units: int                  # length of the per-unit max (and min) vectors
+    paired: bool                # a per-unit min vector follows the max vector (else one vector is both)
+    track: bool                 # the units extend an activity history (dead units); False: not applicable
+    sample: int                 # histogram sample length, at the end of the chunk
+    nonfinite: int | None       # NaN/Inf count known on the host already; None: it is in the chunk
+    sat: bool                   # a saturated fraction is in the chunk
+
+    @property
+    def head(self) -> int:
+        return 2 + (self.nonfinite is None) + self.sat
+
+
+class UnitActivity:
+    """Per-unit 'last sample in which the unit was non-zero', kept on the host per (module, units):
+    a unit is dead when it stayed exactly zero over the last ``window`` samples."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._last: dict[tuple[Any, int], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def update(self, key: Any, active: torch.Tensor, sample_index: int) -> float:
+        """Fold one sample's activity mask (bool, host) in; returns the dead fraction."""
+        last = self._last.get((key, active.numel()))
+        if last is None:
+            last = self._last[(key, active.numel())] = torch.full((active.numel(),), -1, dtype=torch.int64)
+        last.masked_fill_(active, sample_index)
+        return (last < max(0, sample_index - self.window + 1)).sum().item() / max(1, last.numel())
+
+
 class StepMeasurements:
-    """Small device vectors gathered during one sampled step, fetched in one copy per device."""
+    """Small device vectors gathered during one sampled step, fetched in one copy per device.
+
+    Module calls add a raw chunk (sums, per-unit extremes, a histogram sample) and nothing else:
+    every derived statistic (std, abs-max, dead units, histogram) is computed after the one host
+    copy, in a batch. A hook that runs between the training's own kernels pays for each extra
+    small op several times over (cold caches); the batch after the step does not."""
 
     def __init__(self) -> None:
         self._chunks: list[torch.Tensor] = []
-        self._edges: dict[torch.device, torch.Tensor] = {}
+        self._calls: dict[int, tuple[CallLayout, Any]] = {}
 
     def add(self, vec: torch.Tensor) -> int:
-        self._chunks.append(vec.detach().reshape(-1).to(torch.float32))
+        self._chunks.append(vec.detach())
         return len(self._chunks) - 1
 
-    def edges(self, device: torch.device) -> torch.Tensor:
-        """Histogram edges with -inf/+inf ends (HIST_BINS bins), cached per device."""
-        e = self._edges.get(device)
-        if e is None:
-            inf = float("inf")
-            e = self._edges[device] = torch.tensor([-inf, *HIST_EDGES, inf], dtype=torch.float32, device=device)
-        return e
+    def add_call(self, chunk: torch.Tensor, layout: CallLayout, key: Any = None) -> int:
+        """A module call's raw chunk from :func:`call_chunk`; its fetched value is a CALL_WIDTH row.
+        ``key`` names whose unit-activity history the call extends (its module)."""
+        slot = self.add(chunk)
+        self._calls[slot] = (layout, key)
+        return slot
 
-    def fetch(self) -> list[list[float]]:
-        """Host copies of every chunk, in order: one concatenation and one copy per device."""
+    def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
+        """Host values of every chunk, in order: one concatenation and one copy per device.
+        Call chunks come back as CALL_WIDTH rows."""
         if not self._chunks:
             return []
         by_device: dict[torch.device, list[int]] = {}
@@ -78,101 +122,190 @@ class StepMeasurements:
             by_device.setdefault(c.device, []).append(i)
         out: list[list[float]] = [[] for _ in self._chunks]
         for idx in by_device.values():
-            flat = torch.cat([self._chunks[i] for i in idx]).cpu().tolist()
+            # plain chunks first: only they are turned into Python lists whole
+            plain = [i for i in idx if i not in self._calls]
+            calls = [i for i in idx if i in self._calls]
+            parts = [self._chunks[i].reshape(-1) for i in plain + calls]
+            parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
+            host = torch.cat(parts).cpu()
             pos = 0
-            for i in idx:
-                n = self._chunks[i].numel()
-                out[i] = flat[pos:pos + n]
-                pos += n
+            plain_total = sum(t.numel() for t in parts[:len(plain)])
+            flat = host[:plain_total].tolist() if plain else []
+            for i, t in zip(plain, parts):
+                out[i] = flat[pos:pos + t.numel()]
+                pos += t.numel()
+            if calls:
+                starts = []
+                for t in parts[len(plain):]:
+                    starts.append(pos)
+                    pos += t.numel()
+                rows = _call_rows(host, [(s, *self._calls[i]) for i, s in zip(calls, starts)], activity,
+                                  sample_index)
+                for i, row in zip(calls, rows):
+                    out[i] = row
         self._chunks.clear()
+        self._calls.clear()
         return out
 
 
-_CONSTS: dict[tuple[float, torch.device], torch.Tensor] = {}
+MAX_UNITS = 1 << 16           # per-unit activity is tracked up to this many units per output
 
 
-def _const(value: float, device: torch.device) -> torch.Tensor:
-    t = _CONSTS.get((value, device))
-    if t is None:
-        t = _CONSTS[(value, device)] = torch.full((), value, dtype=torch.float32, device=device)
-    return t
+def _segments(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the concatenated ranges [s, s + n) and, for each, the index of its range."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    total = int(sum(lengths))
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lens, output_size=total)
+    first = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)
+    return first[seg] + torch.arange(total), seg
 
 
-ZERO_BIN = HIST_EDGES.index(1e-6)     # the bin [-1e-6, 1e-6)
+_INNER_EDGES = torch.tensor(HIST_EDGES, dtype=torch.float32)
 
 
-def call_vector(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int, sat_kind: str | None,
-                last_active: torch.Tensor | None, sample_index: int, window: int,
-                edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Statistics of one module output as one device vector (CALL_WIDTH), plus the updated
-    per-unit 'last active sample' vector used for dead units over the window.
+@dataclasses.dataclass
+class _CallPlan:
+    """Index tensors into the fetched buffer for one arrangement of call chunks. A model's
+    sampled steps repeat the same arrangement, so the plan is built once and reused."""
+    pmax: torch.Tensor
+    pmin: torch.Tensor
+    seg: torch.Tensor
+    psamp: torch.Tensor
+    sseg: torch.Tensor
+    heads: torch.Tensor
+    unit_ends: list[int]
 
-    Chosen for speed: mean and E[x^2] (a dot product) instead of Welford's std_mean (60x slower
-    on CPU); std is exactly 0 when min == max; per-unit activity from amax/amin over the
-    non-unit dims; the histogram (and from its zero bin, the zero fraction) from <= HIST_SAMPLE evenly strided values;
-    the NaN/Inf count only when the mean or E[x^2] is not finite (on the CPU, where reading a
-    scalar costs no device sync) and always on accelerators."""
-    with torch.no_grad():
-        xf = x.detach()
-        if xf.dtype not in (torch.float32, torch.float64):
-            xf = xf.float()
-        flat = xf.reshape(-1)
-        n = flat.numel()
-        on_cpu = flat.device.type == "cpu"
-        mean = flat.mean()
-        sq = torch.dot(flat, flat) / n
-        if xf.dim() >= 1:
-            dims = tuple(d for d in range(xf.dim()) if d != udim)
-            if dims:
-                unit_max, unit_min = xf.amax(dim=dims), xf.amin(dim=dims)
-                amax, amin = unit_max.max(), unit_min.min()
-                active = (unit_max > 0) | (unit_min < 0)
-            else:
-                amin, amax = torch.aminmax(flat)
-                active = xf != 0
-            if last_active is None or last_active.shape != active.shape or last_active.device != active.device:
-                last_active = torch.full(active.shape, -1, dtype=torch.int64, device=active.device)
-            new_last = torch.where(active, sample_index, last_active)
-            dead = (new_last < max(0, sample_index - window + 1)).to(torch.float32).mean()
+
+_PLANS: dict[tuple, _CallPlan] = {}
+
+
+def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
+    key = (tuple(starts), tuple(lays))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    max_starts = [s + lay.head for s, lay in zip(starts, lays)]
+    min_starts = [m + lay.units if lay.paired else m for m, lay in zip(max_starts, lays)]
+    units = [lay.units for lay in lays]
+    pmax, seg = _segments(max_starts, units)
+    pmin, _ = _segments(min_starts, units)
+    psamp, sseg = _segments([m + lay.units * (1 + lay.paired) for m, lay in zip(max_starts, lays)],
+                            [lay.sample for lay in lays])
+    heads = torch.tensor([s + j for s, lay in zip(starts, lays) for j in range(lay.head)], dtype=torch.int64)
+    if len(_PLANS) >= 2:          # a few MB each on a large model; a run repeats one arrangement
+        _PLANS.clear()
+    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg, heads,
+                                   torch.cumsum(torch.tensor(units), 0).tolist())
+    return plan
+
+
+def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], activity: UnitActivity | None,
+               sample_index: int) -> list[list[float]]:
+    """CALL_WIDTH rows from raw call chunks in ``host`` (CPU): batched extremes and histograms,
+    per-module unit activity."""
+    n_calls = len(calls)
+    plan = _plan([s for s, _, _ in calls], [lay for _, lay, _ in calls])
+    umax, umin = host[plan.pmax], host[plan.pmin]
+    amax = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umax, "amax", include_self=False)
+    amin = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umin, "amin", include_self=False)
+    sample = host[plan.psamp]
+    finite = torch.isfinite(sample)
+    if bool(finite.all()):
+        idx = plan.sseg * HIST_BINS + torch.bucketize(sample, _INNER_EDGES, right=True)
+    else:
+        idx = plan.sseg[finite] * HIST_BINS + torch.bucketize(sample[finite], _INNER_EDGES, right=True)
+    hists = torch.bincount(idx, minlength=n_calls * HIST_BINS).view(n_calls, HIST_BINS).tolist()
+    amax_l, amin_l = amax.tolist(), amin.tolist()
+    heads = host[plan.heads].tolist()
+    # the dead fraction of a module is read after all of its calls in the step: fold them first
+    dead: dict[tuple[Any, int], float] = {}
+    if activity is not None:
+        active = (umax > 0) | (umin < 0)
+        per_key: dict[tuple[Any, int], torch.Tensor] = {}
+        for c, (_, lay, key) in enumerate(calls):
+            if lay.track:
+                a = active[plan.unit_ends[c] - lay.units:plan.unit_ends[c]]
+                k = (key, lay.units)
+                per_key[k] = a if k not in per_key else (per_key[k] | a)
+        for (key, n), a in per_key.items():
+            dead[(key, n)] = activity.update(key, a, sample_index)
+    rows, h = [], 0
+    for c, (_, lay, key) in enumerate(calls):
+        s, d = heads[h], heads[h + 1]
+        j = h + 2
+        if lay.nonfinite is None:
+            nonfinite, j = heads[j], j + 1
         else:
-            amin, amax = torch.aminmax(flat)
-            new_last = last_active
-            dead = _const(NOT_APPLICABLE, xf.device)
-        std = torch.where(amax == amin, 0.0, (sq - mean * mean).clamp_min(0.0).sqrt())
-        absmax = torch.maximum(amax, -amin)
-        finite_known = on_cpu and not extra_nonfinite and bool(torch.isfinite(mean + sq))
-        if finite_known:
-            nonfinite = _const(0.0, xf.device)
-        else:
-            nonfinite = (n - torch.isfinite(flat).sum()).to(torch.float32)
-            for t in extra_nonfinite:
-                nonfinite = nonfinite + (t.numel() - torch.isfinite(t.detach()).sum())
-        if sat_kind == "tanh":
-            sat = (flat.abs() > 0.99).to(torch.float32).mean()
-        elif sat_kind == "sigmoid":
-            sat = ((flat < 0.01) | (flat > 0.99)).to(torch.float32).mean()
-        else:
-            sat = _const(NOT_APPLICABLE, xf.device)
-        stride = max(1, n // HIST_SAMPLE)
-        sample = flat[::stride][:HIST_SAMPLE].to(torch.float32)
-        # the histogram counts finite values only (NaN/Inf are counted in `nonfinite`)
-        if on_cpu:
-            hist = torch.histogram(sample if finite_known else sample[torch.isfinite(sample)],
-                                   bins=edges).hist
-        else:
-            finite = torch.isfinite(sample)
-            ge = ((sample.unsqueeze(1) >= edges[1:-1]) & finite.unsqueeze(1)).sum(0).to(torch.float32)
-            m = finite.sum().to(torch.float32)           # deterministic, no atomics, no sync
-            hist = torch.cat([(m - ge[:1]), ge[:-1] - ge[1:], ge[-1:]])
-        # the zero fraction is read on the host from the histogram's zero bin (|x| < 1e-6)
-        zero_frac = _const(NOT_APPLICABLE, xf.device)
-        head = torch.stack([mean.to(torch.float32), std.to(torch.float32), absmax.to(torch.float32),
-                            zero_frac, dead, sat, nonfinite])
-        return torch.cat([head, hist]), new_last
+            nonfinite = float(lay.nonfinite)
+        sat = heads[j] if lay.sat else NOT_APPLICABLE
+        h += lay.head
+        n = lay.numel
+        mean = s / n
+        hi, lo = amax_l[c], amin_l[c]
+        var = d / n - mean * mean
+        # exactly 0 for a constant output (E[x^2] - mean^2 would leave rounding noise)
+        std = 0.0 if hi == lo else math.sqrt(var) if var > 0 else (0.0 if var == var else var)
+        dead_frac = dead.get((key, lay.units), NOT_APPLICABLE) if lay.track else NOT_APPLICABLE
+        # the zero fraction is read from the histogram's zero bin (|x| < 1e-6) by the caller
+        rows.append([mean, std, max(hi, -lo), NOT_APPLICABLE, dead_frac, sat, nonfinite, *hists[c]])
+    return rows
+
+
+def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int,
+               sat_kind: str | None) -> tuple[torch.Tensor, CallLayout]:
+    """The raw statistics of one module output as one small device vector, and its layout.
+
+    Only what needs the whole tensor is computed here, with as few kernels as possible: the sum,
+    E[x^2] as a dot product (Welford's std_mean is 60x slower on CPU), per-unit max and min over
+    the non-unit dims, and a copy of <= HIST_SAMPLE evenly strided values for the histogram (and
+    the zero fraction). The NaN/Inf count is taken only when E[x^2] is not finite on the CPU
+    (reading a CPU scalar costs no device sync) and always on accelerators."""
+    # detached, so no op below records autograd history (cheaper than entering no_grad per call)
+    xf = x.detach()
+    if xf.dtype not in (torch.float32, torch.float64):
+        xf = xf.float()
+    flat = xf.reshape(-1)
+    n = flat.numel()
+    head = [flat.sum(), torch.dot(flat, flat)]
+    track = xf.dim() >= 1
+    if not track:
+        unit_parts, paired, units = [flat], False, 1
+    elif xf.dim() > 1:
+        dims = tuple(d for d in range(xf.dim()) if d != udim)
+        umax, umin = xf.amax(dim=dims), xf.amin(dim=dims)
+        if umax.numel() > MAX_UNITS:
+            umax, umin, track = umax.max().reshape(1), umin.min().reshape(1), False
+        unit_parts, paired, units = [umax, umin], True, umax.numel()
+    elif n <= MAX_UNITS:
+        unit_parts, paired, units = [flat], False, n          # a 1-D output: every value is a unit
+    else:
+        unit_parts, paired, units, track = [flat.amax().reshape(1), flat.amin().reshape(1)], True, 1, False
+    known: int | None = None
+    on_cpu = flat.device.type == "cpu"
+    if on_cpu and not extra_nonfinite and math.isfinite(head[1].item()):
+        known = 0
+    elif on_cpu:
+        known = int(n - torch.isfinite(flat).sum().item())
+        known += sum(int(t.numel() - torch.isfinite(t.detach()).sum().item()) for t in extra_nonfinite)
+    else:
+        nonfinite = n - torch.isfinite(flat).sum()
+        for t in extra_nonfinite:
+            nonfinite = nonfinite + (t.numel() - torch.isfinite(t.detach()).sum())
+        head.append(nonfinite.to(xf.dtype))
+    if sat_kind == "tanh":
+        head.append((flat.abs() > 0.99).sum().to(xf.dtype) / n)
+    elif sat_kind == "sigmoid":
+        head.append(((flat < 0.01) | (flat > 0.99)).sum().to(xf.dtype) / n)
+    stride = max(1, n // HIST_SAMPLE)
+    sample = flat[:stride * HIST_SAMPLE:stride]
+    chunk = torch.cat([torch.stack(head), *unit_parts, sample])
+    return chunk, CallLayout(n, units, paired, track, sample.numel(), known, sat_kind in ("tanh", "sigmoid"))
 
 
 def norm32(t: torch.Tensor) -> torch.Tensor:
     """L2 norm as a float32 scalar, accumulated in at least float32 (any float dtype)."""
+    if t.dtype == torch.float32:
+        return torch.linalg.vector_norm(t)
     if t.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(t, dtype=torch.float32)
     return torch.linalg.vector_norm(t).to(torch.float32)
@@ -220,37 +353,104 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return out
 
 
-def _strided(t: torch.Tensor, k: int) -> torch.Tensor:
+UPDATE_BLOCK = 64             # the update sample is UPDATE_SAMPLE // UPDATE_BLOCK contiguous blocks
+
+
+def _update_view(t: torch.Tensor) -> torch.Tensor:
+    """The update sample of ``t`` as a view: the whole tensor (1-D) when it has at most
+    UPDATE_SAMPLE values, else evenly spaced contiguous blocks (2-D, UPDATE_BLOCK wide). Blocks,
+    not single strided values: a value every few kilobytes costs a cache line each, and the
+    copy would read as much memory as the whole tensor."""
     flat = t.detach().reshape(-1)
-    return flat[::max(1, flat.numel() // k)][:k]
+    n = flat.numel()
+    if n <= UPDATE_SAMPLE:
+        return flat
+    blocks = UPDATE_SAMPLE // UPDATE_BLOCK
+    return flat.as_strided((blocks, UPDATE_BLOCK), (n // blocks, 1))
 
 
-def sample_size(numel: int, k: int = UPDATE_SAMPLE) -> int:
-    """How many values ``_strided`` takes from a tensor of ``numel`` values."""
-    if numel <= 0:
-        return 0
-    stride = max(1, numel // k)
-    return min(k, -(-numel // stride))
+def sample_size(numel: int) -> int:
+    """How many values the update sample takes from a tensor of ``numel`` values."""
+    return max(0, numel) if numel <= UPDATE_SAMPLE else (UPDATE_SAMPLE // UPDATE_BLOCK) * UPDATE_BLOCK
 
 
-def sample_values(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of up to UPDATE_SAMPLE evenly strided values of each tensor (the whole tensor
-    when it is that small): enough to estimate an update's norm without cloning the model."""
-    with torch.no_grad():
-        return [_strided(t, UPDATE_SAMPLE).clone() for t in tensors]
+class UpdateSampler:
+    """Up to UPDATE_SAMPLE values of each tensor (the whole tensor when it is that small),
+    copied before an optimizer step and compared after it: enough to estimate an update's norm
+    without cloning the model.
+
+    The views are cached: optimizers update parameters in place, so a view sees every step,
+    and a step costs a few concatenations per (device, dtype) instead of a few small ops per
+    tensor. A tensor whose storage changed (``p.data = ...``) or that is not contiguous (its
+    flat view would be a copy) gets a fresh view. ``clear()`` drops the cache (the watcher does on
+    every structure rebuild, so no view outlives the model's own tensors)."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[int, torch.Size, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._views.clear()
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr()
+        entry = self._views.get(id(t))
+        if entry is not None and entry[0] == ptr and entry[1] == t.shape:
+            return entry[2]
+        view = _update_view(t)
+        if t.is_contiguous():
+            self._views[id(t)] = (ptr, t.shape, view)
+        return view
+
+    def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]) -> tuple[list[int], torch.Tensor, tuple]:
+        """Whole small tensors first, then the blocks of the large ones: one flat copy."""
+        views = [self._view(tensors[i]) for i in idx]
+        small = [k for k, v in enumerate(views) if v.dim() == 1]
+        large = [k for k, v in enumerate(views) if v.dim() == 2]
+        parts = []
+        if small:
+            parts.append(torch.cat([views[k] for k in small]))
+        if large:
+            parts.append(torch.cat([views[k] for k in large]).reshape(-1))
+        order = small + large
+        return ([idx[k] for k in order], parts[0] if len(parts) == 1 else torch.cat(parts),
+                tuple(views[k].numel() for k in order))
+
+    def take(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor, tuple[int, ...]]]:
+        """The sampled values now: (tensor positions, one flat copy, sample sizes) per group."""
+        with torch.no_grad():
+            return [self._gather(tensors, idx) for idx, _ in _groups(tensors)]
+
+    def delta_norms(self, tensors: Sequence[torch.Tensor],
+                    taken: list[tuple[list[int], torch.Tensor, tuple[int, ...]]]) -> torch.Tensor | None:
+        """||now - taken|| per tensor on the sampled values, as one float32 vector on the first
+        tensor's device (scale by sqrt(numel / sample_size) for an estimate of the whole)."""
+        if not tensors:
+            return None
+        device = tensors[0].device
+        out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for idx, before, lengths in taken:
+                idx_now, now, lengths_now = self._gather(tensors, idx)
+                if lengths_now != lengths or idx_now != idx:
+                    raise ValueError(f"sampled sizes changed during the step: {lengths} -> {lengths_now}")
+                diff = now.float()
+                diff.sub_(before)
+                seg = _segment_ids(lengths, diff.device)
+                sq = torch.zeros(len(idx), dtype=torch.float32, device=diff.device).index_add_(0, seg, diff * diff)
+                out[_index(idx, device)] = sq.sqrt_().to(device)
+        return out
 
 
-def sampled_delta_norms(after: Sequence[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor | None:
-    """||after - before|| on the sampled values (scale by sqrt(numel / sample_size) for an estimate)."""
-    if not before:
-        return None
-    with torch.no_grad():
-        now = [_strided(t, UPDATE_SAMPLE) for t in after]
-        for idx, group in _groups(before):
-            cur = [now[i] for i in idx]
-            if hasattr(torch, "_foreach_sub_"):
-                torch._foreach_sub_(group, cur)
-            else:
-                for b, a in zip(group, cur):
-                    b.sub_(a)
-        return norms(before)
+_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _segment_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[0]*lengths[0] + [1]*lengths[1] + ... on the device, made once per layout."""
+    key = (lengths, device)
+    t = _SEGMENTS.get(key)
+    if t is None:
+        if len(_SEGMENTS) > 64:
+            _SEGMENTS.clear()
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        t = _SEGMENTS[key] = torch.repeat_interleave(torch.arange(len(lengths)), lens).to(device)
+    return t

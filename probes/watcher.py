@@ -85,7 +85,7 @@ class _StepState:
         self.data_slots: dict[int, tuple[int, int]] = {}
         self.update_slots: dict[int, tuple[int, int]] = {}
         self.post_slots: dict[int, tuple[int, int]] = {}      # data norm after the optimizer step
-        self.before: dict[int, tuple[list[int], list[torch.Tensor]]] = {}   # optimizer -> (tids, clones)
+        self.before: dict[int, tuple[list[int], Any]] = {}   # optimizer -> (tids, UpdateSampler.take())
         self.mismatch: dict[int, tuple[bool, bool]] = {}
         self.nograd_train: list[int] = []
         self.inference_mode = False
@@ -95,6 +95,26 @@ class _StepState:
         self.measured: dict[tuple, int] = {}         # output tensor -> slot (shared by wrappers)
         self.grad_targets: dict[tuple, list[int]] = {}
         self.live = False               # real hooks attached (after the step's first forward)
+
+
+class _Guard:
+    """A plain class, not @contextmanager: hooks run hundreds of times per sampled step and a
+    generator-based context manager costs several times more to enter and leave."""
+    __slots__ = ("watcher", "location", "t0")
+
+    def __init__(self, watcher: "Watcher", location: str) -> None:
+        self.watcher, self.location = watcher, location
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        w = self.watcher
+        w._probe_s += time.perf_counter() - self.t0
+        if isinstance(exc, Exception):        # never let a probe failure reach the training loop
+            w._errors.record(self.location, exc, w._step)
+            return not _DEBUG
+        return False
 
 
 class Watcher:
@@ -123,7 +143,8 @@ class Watcher:
         self._probe_s = 0.0
         self._step_t0 = time.perf_counter()
         self._pending_losses: list[tuple[int, Any]] = []
-        self._last_active: dict[int, torch.Tensor] = {}
+        self._activity = measure.UnitActivity(window)
+        self._updates = measure.UpdateSampler()
         self._active: dict[tuple[str, str], tuple[Finding, int | None, int | None]] = {}
         self._first_seen: dict[tuple[str, str], int] = {}
         self._static: list[Finding] = []
@@ -220,7 +241,8 @@ class Watcher:
             self._structure = ModelStructure([], [], [], False, 0)
             self._module_nodes, self._tensor_nodes, self._module_ids = {}, {}, {}
             self._tensor_owners, self._sat = {}, {}
-            self._last_active.clear()
+            self._activity.clear()
+            self._updates.clear()
             self._runtime_objects.clear()
             self._state = None
 
@@ -240,6 +262,7 @@ class Watcher:
     # ===================================================================== structure
     def _build(self, model: nn.Module) -> ModelStructure:
         s = build_structure(model, self._optimizers)
+        self._updates.clear()             # cached views must not outlive the structure's tensors
         for node in s.modules:            # stable ids across rebuilds (a head replaced mid-run)
             node.module_id = self._ids_by_path.setdefault(node.path, len(self._ids_by_path))
         remap = {i: n.module_id for i, n in enumerate(s.modules)}
@@ -310,17 +333,10 @@ class Watcher:
             self._build(model)
 
     # ===================================================================== hooks
-    @contextlib.contextmanager
-    def _guard(self, location: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        except Exception as exc:          # never let a probe failure reach the training loop
-            self._errors.record(location, exc, self._step)
-            if _DEBUG:
-                raise
-        finally:
-            self._probe_s += time.perf_counter() - t0
+    def _guard(self, location: str) -> "_Guard":
+        """``with self._guard(where):`` around every hook body: times it and never lets a probe
+        failure reach the training loop (the error is counted and stored instead)."""
+        return _Guard(self, location)
 
     def _eager(self, fn: Callable) -> Callable:
         """Under torch.compile, run our hooks eagerly instead of letting dynamo trace them (which
@@ -430,12 +446,8 @@ class Watcher:
             udim = self._unit_dims.get((mid, x.dim()))
             if udim is None:
                 udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
-            vec, last = measure.call_vector(
-                x, others, udim, self._sat.get(mid), self._last_active.get(mid), self._sample_index,
-                self.window, st.m.edges(x.device))
-            if last is not None:
-                self._last_active[mid] = last
-            slot = st.m.add(vec)
+            chunk, layout = measure.call_chunk(x, others, udim, self._sat.get(mid))
+            slot = st.m.add_call(chunk, layout, mid)
             st.measured[key] = slot
             st.rows.setdefault(mid, []).append((slot, st.order, training, grad_on, x.numel()))
             if grad_on and x.requires_grad:
@@ -537,13 +549,13 @@ class Watcher:
                 orphans = self._orphan_tensors()
                 if orphans:
                     self._measure_grads(st, orphans)
-                    st.before[-1] = (orphans, measure.sample_values([self._tensor_nodes[t].tensor for t in orphans]))
+                    st.before[-1] = (orphans, self._updates.take([self._tensor_nodes[t].tensor for t in orphans]))
             tids = self._opt_tensors(oi)
             if not tids:
                 return
             tensors = [self._tensor_nodes[t].tensor for t in tids]
             self._measure_grads(st, tids)
-            st.before[oi] = (tids, measure.sample_values(tensors))
+            st.before[oi] = (tids, self._updates.take(tensors))
 
     def _on_opt_post(self, oi: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
@@ -562,7 +574,7 @@ class Watcher:
         """Sampled change across the step, plus the data norm after it (which catches a change
         the sample missed)."""
         after = [self._tensor_nodes[t].tensor for t in tids]
-        vec = measure.sampled_delta_norms(after, before)
+        vec = self._updates.delta_norms(after, before)
         if vec is None:
             return
         slot = st.m.add(vec)
@@ -642,7 +654,7 @@ class Watcher:
             self._measure_updates(st, tids, before)
         pending, self._pending_losses = self._pending_losses, []
         loss_slots = [(s, st.m.add(v.reshape(-1)[:1])) for s, v in pending]
-        values = st.m.fetch()                       # the one host copy of this step
+        values = st.m.fetch(self._activity, self._sample_index)   # the one host copy of this step
         if loss_slots:
             now = time.time()
             self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
@@ -684,14 +696,18 @@ class Watcher:
     def _module_samples(self, step: int, st: _StepState, values: list[list[float]]):
         out: dict[int, tuple[ModuleSample, list[float]]] = {}
         for mid, rows in st.rows.items():
-            vecs = [values[slot] for slot, *_ in rows]
             numel = rows[0][4]
             k = len(measure.CALL_FIELDS)
-            agg = [sum(v[i] for v in vecs) / len(vecs) for i in range(k)]
-            agg[2] = max(v[2] for v in vecs)                    # absmax
-            agg[4] = vecs[-1][4]                                # dead over the window: latest
-            agg[6] = sum(v[6] for v in vecs)                    # nonfinite count
-            hist = [sum(v[k + j] for v in vecs) for j in range(len(vecs[0]) - k)]
+            if len(rows) == 1:                                  # the common case: one call
+                row = values[rows[0][0]]
+                agg, hist = row[:k], row[k:]
+            else:
+                vecs = [values[slot] for slot, *_ in rows]
+                agg = [sum(v[i] for v in vecs) / len(vecs) for i in range(k)]
+                agg[2] = max(v[2] for v in vecs)                # absmax
+                agg[4] = vecs[-1][4]                            # dead over the window: latest
+                agg[6] = sum(v[6] for v in vecs)                # nonfinite count
+                hist = [sum(col) for col in zip(*(v[k:] for v in vecs))]
             total = sum(hist)
             agg[3] = hist[measure.ZERO_BIN] / total if total else None
             og = [values[s][0] for s in st.ograd.get(mid, [])]

@@ -8,13 +8,17 @@ from probes import measure as M
 from probes.schema import HIST_BINS, HIST_EDGES
 
 
-def stats(x, udim=None, sat=None, last=None, sample_index=0, window=16):
-    edges = M.StepMeasurements().edges(x.device)
+def stats(x, udim=None, sat=None, activity=None, sample_index=0, window=16, extra=()):
+    """One call measured the way the watcher does: raw chunk, one fetch, rows derived on the host."""
     udim = x.dim() - 1 if udim is None else udim
-    vec, new_last = M.call_vector(x, [], udim, sat, last, sample_index, window, edges)
-    head = dict(zip(M.CALL_FIELDS, vec[:len(M.CALL_FIELDS)].tolist()))
-    hist = vec[len(M.CALL_FIELDS):].tolist()
-    return head, hist, new_last
+    activity = activity if activity is not None else M.UnitActivity(window)
+    m = M.StepMeasurements()
+    chunk, layout = M.call_chunk(x, list(extra), udim, sat)
+    slot = m.add_call(chunk, layout, "module")
+    row = m.fetch(activity, sample_index)[slot]
+    assert len(row) == M.CALL_WIDTH
+    head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)]))
+    return head, row[len(M.CALL_FIELDS):], activity
 
 
 @pytest.mark.parametrize("shape,udim", [((64, 32), 1), ((4, 8, 16), 2), ((2, 6, 5, 5), 1), ((7,), 0)])
@@ -50,33 +54,33 @@ def test_nonfinite_count_on_cpu_and_in_extra_outputs():
     x[0, 0], x[3, 2] = float("nan"), float("inf")
     head, _, _ = stats(x)
     assert head["nonfinite"] == 2
-    edges = M.StepMeasurements().edges(x.device)
-    vec, _ = M.call_vector(torch.ones(3), [torch.tensor([float("nan")] * 3)], 0, None, None, 0, 16, edges)
-    assert vec[6].item() == 3
+    head, _, _ = stats(torch.ones(3), udim=0, extra=[torch.tensor([float("nan")] * 3)])
+    assert head["nonfinite"] == 3
 
 
 def test_dead_units_over_the_window():
     x = torch.randn(32, 4).relu()
     x[:, :2] = 0                                  # two of four units never active
-    head, _, last = stats(x)
+    activity = M.UnitActivity(window=3)
+    head, _, _ = stats(x, activity=activity)
     assert head["dead_frac"] == 0.5
     # unit 0 activates once, then stays silent: alive until it leaves the window
     y = x.clone()
     y[0, 0] = 1.0
-    head, _, last = stats(y, last=last, sample_index=1, window=3)
+    head, _, _ = stats(y, activity=activity, sample_index=1)
     assert head["dead_frac"] == 0.25
     for i in range(2, 4):
-        head, _, last = stats(x, last=last, sample_index=i, window=3)
+        head, _, _ = stats(x, activity=activity, sample_index=i)
         assert head["dead_frac"] == 0.25
-    head, _, last = stats(x, last=last, sample_index=4, window=3)
+    head, _, _ = stats(x, activity=activity, sample_index=4)
     assert head["dead_frac"] == 0.5
 
 
 def test_conv_units_are_channels():
     x = torch.randn(8, 6, 4, 4).relu()
     x[:, 1] = 0
-    head, _, last = stats(x, udim=1)
-    assert head["dead_frac"] == pytest.approx(1 / 6) and last.shape == (6,)
+    head, _, _ = stats(x, udim=1)
+    assert head["dead_frac"] == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("kind,values,expected", [
@@ -117,19 +121,111 @@ def test_norms_and_sampled_update_norms():
     ts = [torch.randn(5), torch.randn(3, 3), torch.randn(2).double(), torch.randn(100, 1000)]
     n = M.norms(ts)
     assert torch.allclose(n, torch.stack([t.norm().float() for t in ts]))
-    before = M.sample_values(ts)
-    assert [b.numel() for b in before] == [5, 9, 2, M.sample_size(100_000)] and before[3].numel() <= 4096
+    sampler = M.UpdateSampler()
+    before = sampler.take(ts)
+    assert [len(lengths) for _, _, lengths in before] == [3, 1]               # float32 and float64 groups
+    assert before[0][2] == (5, 9, M.sample_size(100_000)) and M.sample_size(100_000) <= 4096
     with torch.no_grad():
         ts[0].add_(1.0)
         ts[3].add_(0.5)
-    d = M.sampled_delta_norms(ts, before).tolist()
+    d = sampler.delta_norms(ts, before).tolist()
     assert d[:3] == pytest.approx([math.sqrt(5), 0.0, 0.0])
     k = M.sample_size(100_000)
     estimate = d[3] * math.sqrt(100_000 / k)
     assert estimate == pytest.approx(0.5 * math.sqrt(100_000), rel=1e-4)
 
 
+def test_update_sampler_follows_replaced_storage_and_non_contiguous_tensors():
+    """Cached views must see in-place updates, a tensor whose storage was swapped
+    (``p.data = ...``) and a transposed (non-contiguous) parameter."""
+    p = torch.nn.Parameter(torch.zeros(64, 32))
+    t = torch.nn.Parameter(torch.zeros(32, 64).t())              # non-contiguous
+    sampler = M.UpdateSampler()
+    for step in range(3):
+        before = sampler.take([p, t])
+        with torch.no_grad():
+            if step == 1:
+                p.data = torch.full((64, 32), 5.0)               # new storage: a 5.0 jump everywhere
+            else:
+                p.add_(1.0)
+            t.add_(2.0)
+        d = sampler.delta_norms([p, t], before).tolist()
+        assert d[0] == pytest.approx((5.0 - step if step == 1 else 1.0) * math.sqrt(M.sample_size(p.numel())))
+        assert d[1] == pytest.approx(2.0 * math.sqrt(M.sample_size(t.numel())))
+
+
 def test_histogram_leaves_out_nan_and_inf():
     x = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
     head, hist, _ = stats(x)
     assert head["nonfinite"] == 2 and sum(hist) == 2
+
+
+def reference_row(x, udim):
+    """Straightforward statistics of one output, for comparison with the batched path."""
+    xf = x.detach().double().reshape(-1)
+    finite = xf[torch.isfinite(xf)]
+    stride = max(1, xf.numel() // M.HIST_SAMPLE)
+    sample = x.detach().float().reshape(-1)[::stride][:M.HIST_SAMPLE]
+    sample = sample[torch.isfinite(sample)]
+    hist = [0] * HIST_BINS
+    for v in sample.tolist():
+        hist[sum(1 for e in HIST_EDGES if v >= e)] += 1
+    return {"mean": finite.mean().item(), "std": finite.std(correction=0).item(),
+            "absmax": finite.abs().max().item(), "nonfinite": xf.numel() - finite.numel(), "hist": hist}
+
+
+def test_a_step_of_mixed_calls_matches_references(monkeypatch):
+    """One fetch holding calls of every layout, interleaved with plain chunks, twice (the second
+    step reuses the cached index plan with new values)."""
+    monkeypatch.setattr(M, "MAX_UNITS", 64)
+    torch.manual_seed(0)
+    activity = M.UnitActivity(window=16)
+    for step in range(2):
+        calls = [(torch.randn(8, 6, 5, 5) * 2 + 1, 1, "conv"),
+                 (torch.randn(2, 7, 12).relu(), 2, "seq"),
+                 (torch.randn(30), 0, "vector"),
+                 (torch.randn(300) * 5, 0, "vector-above-cap"),        # 300 units > MAX_UNITS
+                 (torch.randn(4, 100) + 3, 1, "units-above-cap"),      # 100 units > MAX_UNITS
+                 (torch.tensor(3.5), 0, "scalar"),
+                 (torch.randn(3000, 4).double(), 1, "float64"),
+                 (torch.randn(16, 8).half(), 1, "half")]
+        calls[1][0][:, :, :3] = 0                                   # 3 of 12 units silent
+        calls[2][0][5] = float("nan")
+        m = M.StepMeasurements()
+        slots, plain = [], []
+        for i, (x, udim, key) in enumerate(calls):
+            plain.append((m.add(torch.tensor([float(i), -float(i)])), [float(i), -float(i)]))
+            chunk, layout = M.call_chunk(x, [], udim, None)
+            slots.append(m.add_call(chunk, layout, key))
+        values = m.fetch(activity, step)
+        for slot, expected in plain:
+            assert values[slot] == expected
+        for slot, (x, udim, key) in zip(slots, calls):
+            row, ref = values[slot], reference_row(x, udim)
+            head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)]))
+            assert head["nonfinite"] == ref["nonfinite"], key
+            assert row[len(M.CALL_FIELDS):] == ref["hist"], key
+            if ref["nonfinite"]:
+                assert math.isnan(head["mean"]), key
+                continue
+            tol = 2e-3 if x.dtype == torch.float16 else 1e-4
+            assert head["mean"] == pytest.approx(ref["mean"], rel=tol, abs=tol), key
+            assert head["std"] == pytest.approx(ref["std"], rel=tol, abs=tol), key
+            assert head["absmax"] == pytest.approx(ref["absmax"], rel=tol), key
+            expected_dead = {"seq": 0.25, "conv": 0.0, "float64": 0.0, "half": 0.0}.get(key, M.NOT_APPLICABLE)
+            assert head["dead_frac"] == pytest.approx(expected_dead), key
+
+
+def test_calls_of_one_module_fold_their_unit_activity():
+    """A module called twice in a step (shared weights): a unit silent in one call but active in
+    the other is alive, and both calls report the module's dead fraction after the step."""
+    a, b = torch.zeros(4, 3), torch.zeros(4, 3)
+    a[0, 0], b[1, 1] = 1.0, -2.0                   # unit 2 silent in both calls
+    m = M.StepMeasurements()
+    sa = m.add_call(*M.call_chunk(a, [], 1, None), key="shared")
+    sb = m.add_call(*M.call_chunk(b, [], 1, None), key="shared")
+    other = m.add_call(*M.call_chunk(torch.zeros(4, 3), [], 1, None), key="other")
+    values = m.fetch(M.UnitActivity(16), 0)
+    dead = M.CALL_FIELDS.index("dead_frac")
+    assert values[sa][dead] == values[sb][dead] == pytest.approx(1 / 3)
+    assert values[other][dead] == 1.0
