@@ -171,7 +171,7 @@ class _CallPlan:
     pmin: torch.Tensor
     seg: torch.Tensor
     psamp: torch.Tensor
-    sseg: torch.Tensor
+    hist_base: torch.Tensor     # per sample value: its call's first bin in the flattened histograms
     heads: torch.Tensor
     unit_ends: list[int]
 
@@ -194,7 +194,7 @@ def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
     heads = torch.tensor([s + j for s, lay in zip(starts, lays) for j in range(lay.head)], dtype=torch.int64)
     if len(_PLANS) >= 2:          # a few MB each on a large model; a run repeats one arrangement
         _PLANS.clear()
-    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg, heads,
+    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg * HIST_BINS, heads,
                                    torch.cumsum(torch.tensor(units), 0).tolist())
     return plan
 
@@ -211,9 +211,9 @@ def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], act
     sample = host[plan.psamp]
     finite = torch.isfinite(sample)
     if bool(finite.all()):
-        idx = plan.sseg * HIST_BINS + torch.bucketize(sample, _INNER_EDGES, right=True)
+        idx = plan.hist_base + torch.bucketize(sample, _INNER_EDGES, right=True)
     else:
-        idx = plan.sseg[finite] * HIST_BINS + torch.bucketize(sample[finite], _INNER_EDGES, right=True)
+        idx = plan.hist_base[finite] + torch.bucketize(sample[finite], _INNER_EDGES, right=True)
     hists = torch.bincount(idx, minlength=n_calls * HIST_BINS).view(n_calls, HIST_BINS).tolist()
     amax_l, amin_l = amax.tolist(), amin.tolist()
     heads = host[plan.heads].tolist()
