@@ -32,6 +32,8 @@ import probes  # noqa: E402
 from models import registry  # noqa: E402
 
 ALL_CONFIGS = ["bare", "modscope-default", "modscope-every1", "ideal", "wandb", "tensorboard"]
+# not run by default: the floor of any exact per-module statistic (see FloorProbe)
+EXTRA_CONFIGS = ["floor"]
 
 
 class IdealProbe:
@@ -76,6 +78,33 @@ class IdealProbe:
             h.remove()
 
 
+class FloorProbe:
+    """The floor of an exact per-module probe, for reading the figures: forward hooks on every
+    leaf doing only the four full passes that exact mean, std, abs-max and per-unit dead
+    detection need (sum, sum of squares, per-unit max and min); nothing is kept or copied."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        leaves = [m for m in model.modules() if not list(m.children())]
+        self.handles = [m.register_forward_hook(self._hook) for m in leaves]
+
+    @staticmethod
+    def _hook(module, args, out):
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+            return
+        xf = x.detach()
+        flat = xf.reshape(-1)
+        dims = (0, *range(2, xf.dim())) if xf.dim() == 4 else tuple(range(xf.dim() - 1))
+        _ = (flat.sum(), torch.dot(flat, flat), xf.amax(dims), xf.amin(dims))
+
+    def step(self):
+        return None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 class Harness:
     def __init__(self, config, factory, batch_fn, loss_fn, device, workdir: Path):
         torch.manual_seed(0)
@@ -92,6 +121,8 @@ class Harness:
             self.watcher = probes.watch(self.model, self.opt, run_dir=run_dir, every=1)
         elif config == "ideal":
             self.ideal = IdealProbe(self.model)
+        elif config == "floor":
+            self.ideal = FloorProbe(self.model)
         elif config == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir))
@@ -103,12 +134,21 @@ class Harness:
             wandb.watch(self.model, log="all", log_freq=1)     # wandb.watch logs through the global run
         self.n = 0
 
-    def step(self) -> None:
+    def step(self, phases: list | None = None) -> None:
+        """One training step; with ``phases``, append (forward, backward, optimizer + probe) ms
+        (each phase ends with a device sync then, so use it only for the breakdown)."""
         x, y = self.batch_fn()
+        t0 = time.perf_counter()
         out = self.model(x)
         loss = self.loss_fn(out, y)
+        if phases is not None:
+            sync(self.device)
+            t1 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if phases is not None:
+            sync(self.device)
+            t2 = time.perf_counter()
         if self.tb is not None:
             for name, p in self.model.named_parameters():
                 self.tb.add_histogram(name, p, self.n)
@@ -122,6 +162,10 @@ class Harness:
         if self.wandb_run is not None:
             self.wandb_run.log({"loss": loss.item()})
         self.n += 1
+        if phases is not None:
+            sync(self.device)
+            t3 = time.perf_counter()
+            phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
 
     def close(self) -> None:
         if self.watcher is not None:
@@ -147,10 +191,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
+def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=False) -> dict:
     factory, batch_fn, loss_fn = registry(device)[name]
     harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name) for c in configs]
     times: dict[str, list[float]] = {c: [] for c in configs}
+    phase_ms: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     per_round: dict[str, list[float]] = {c: [] for c in configs}
     try:
         for h in harnesses:                        # warm-up (allocator, first-step costs)
@@ -173,6 +218,8 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
                     block.append((time.perf_counter() - t0) * 1e3)
                 times[h.config].extend(block)
                 per_round[h.config].append(statistics.median(block))
+                if phases:                         # one more step, split by phase (not in the times)
+                    h.step(phase_ms[h.config])
         measured = {}
         for h in harnesses:
             if h.watcher is not None:
@@ -184,8 +231,11 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir) -> dict:
     # overhead from paired ratios: each round's block against the bare block next to it, so slow
     # drifts of the machine cancel out
     over = {c: statistics.median(a / b for a, b in zip(per_round[c], per_round["bare"])) - 1 for c in configs}
-    return {"median_ms": med, "overhead": over, "n": {c: len(v) for c, v in times.items()},
-            "self_reported": measured}
+    result = {"median_ms": med, "overhead": over, "n": {c: len(v) for c, v in times.items()},
+              "self_reported": measured}
+    if phases:
+        result["phases_ms"] = {c: [statistics.median(col) for col in zip(*v)] for c, v in phase_ms.items()}
+    return result
 
 
 def child_rss(name: str, config: str, steps: int, device: str) -> None:
@@ -237,7 +287,8 @@ def _syncs_of(fn) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
-    ap.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    ap.add_argument("--configs", default=",".join(ALL_CONFIGS),
+                    help=f"comma list of: {', '.join(ALL_CONFIGS + EXTRA_CONFIGS)} (default: all but floor)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=2, help="steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=5)
@@ -245,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--rss", action="store_true", help="also peak RSS of bare vs modscope every=1 (subprocesses)")
     ap.add_argument("--sync-count", action="store_true", help="count host syncs per sampled step (CUDA)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also split one extra step per block into forward / backward / optimizer + probe")
     ap.add_argument("--json", help="write the results as JSON to this file")
     ap.add_argument("--child-rss", nargs=3, metavar=("MODEL", "CONFIG", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -254,9 +307,9 @@ def main(argv=None) -> int:
         child_rss(args.child_rss[0], args.child_rss[1], int(args.child_rss[2]), args.device)
         return 0
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    unknown = [c for c in configs if c not in ALL_CONFIGS + EXTRA_CONFIGS]
     if unknown:
-        ap.error(f"unknown config(s) {unknown}; expected some of {ALL_CONFIGS}")
+        ap.error(f"unknown config(s) {unknown}; expected some of {ALL_CONFIGS + EXTRA_CONFIGS}")
     skipped = [c for c in configs if not available(c)]
     configs = [c for c in configs if available(c)]
     if "bare" not in configs:
@@ -268,7 +321,8 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
-            r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp))
+            r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp),
+                            phases=args.phases)
             med, ov = r["median_ms"], r["overhead"]
             print(f"\n{name}: median ms/step, overhead vs bare (median of paired per-round ratios)")
             for c in configs:
@@ -281,6 +335,12 @@ def main(argv=None) -> int:
                 if c in r["self_reported"] and r["self_reported"][c] is not None:
                     extra += f"  (self-reported {r['self_reported'][c]:.2%})"
                 print(f"  {c:18s} {med[c]:9.2f} ms  {over:+8.2%}{extra}")
+            if args.phases:
+                base = r["phases_ms"]["bare"]
+                print("  by phase, median ms (+ over bare): forward | backward | optimizer step + probe")
+                for c in configs:
+                    f = r["phases_ms"][c]
+                    print(f"  {c:18s} " + " | ".join(f"{v:7.1f} ({v - b:+6.1f})" for v, b in zip(f, base)))
             if args.rss:
                 steps = max(20, args.steps * 2)
                 rb = rss(name, "bare", steps, args.device)

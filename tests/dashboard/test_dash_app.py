@@ -4,7 +4,6 @@ and the rule that the dashboard never imports torch or probes."""
 from __future__ import annotations
 
 import html
-import os
 import re
 import sqlite3
 import subprocess
