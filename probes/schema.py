@@ -103,7 +103,7 @@ CREATE TABLE IF NOT EXISTS module_stats (
     mean          REAL,
     std           REAL,
     absmax        REAL,
-    zero_frac     REAL,              -- fraction of exact zeros
+    zero_frac     REAL,              -- fraction of |x| < 1e-6 in the histogram sample
     dead_frac     REAL,              -- fraction of units with no non-zero value over the window
     sat_frac      REAL,              -- fraction of values in saturated tails (tanh/sigmoid-like only)
     nonfinite     INTEGER,           -- NaN/Inf count in the output(s)
