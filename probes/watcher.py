@@ -99,7 +99,11 @@ class _StepState:
 
 class _Guard:
     """A plain class, not @contextmanager: hooks run hundreds of times per sampled step and a
-    generator-based context manager costs several times more to enter and leave."""
+    generator-based context manager costs several times more to enter and leave.
+
+    The probe's own time (the overhead the dashboard shows) is counted by the outermost guard
+    only, and only since the last step boundary: a guard around the end of a step (which
+    measures its finishing work itself) must not count it again into the next step."""
     __slots__ = ("watcher", "location", "t0")
 
     def __init__(self, watcher: "Watcher", location: str) -> None:
@@ -107,10 +111,13 @@ class _Guard:
 
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
+        self.watcher._guard_depth += 1
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         w = self.watcher
-        w._probe_s += time.perf_counter() - self.t0
+        w._guard_depth -= 1
+        if w._guard_depth == 0:
+            w._probe_s += max(0.0, time.perf_counter() - max(self.t0, w._step_t0))
         if isinstance(exc, Exception):        # never let a probe failure reach the training loop
             w._errors.record(self.location, exc, w._step)
             return not _DEBUG
@@ -141,6 +148,7 @@ class Watcher:
         self._state: _StepState | None = None
         self._stepped: set[int] = set()
         self._probe_s = 0.0
+        self._guard_depth = 0
         self._step_t0 = time.perf_counter()
         self._pending_losses: list[tuple[int, Any]] = []
         self._activity = measure.UnitActivity(window)
@@ -620,11 +628,14 @@ class Watcher:
         t_end = time.perf_counter()
         step = self._step
         sampled = self._sampled and self._state is not None
-        step_ms = (t_end - self._step_t0) * 1e3
         if sampled:
             with self._guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
-        probe_ms = self._probe_s * 1e3 + (time.perf_counter() - t_end) * 1e3
+        t_done = time.perf_counter()
+        # the step's wall time as training sees it, finishing work included (the budget compares
+        # sampled with unsampled steps); the probe's own time: hooks during the step plus finishing
+        step_ms = (t_done - self._step_t0) * 1e3
+        probe_ms = self._probe_s * 1e3 + (t_done - t_end) * 1e3
         self._policy.observe(step, step_ms, probe_ms, sampled)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
         if sampled or step % 50 == 0 or self._errors.dirty:

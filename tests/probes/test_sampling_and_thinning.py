@@ -74,3 +74,23 @@ def test_long_runs_are_thinned(run_dir, monkeypatch):
     # every module row of a kept step is still complete
     per_step = {r[0] for r in con.execute("SELECT COUNT(*) FROM module_stats GROUP BY step")}
     assert len(per_step) == 1
+
+
+def test_probe_time_is_counted_once_and_lies_within_the_step(run_dir):
+    """The probe's own time per step (what the overhead shown on the dashboard is made of)
+    counts nested hook guards and the step's finishing work once, inside the step's wall time,
+    and never spills into the next step."""
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
+        train(model, opt, w, 16, lambda: (torch.randn(8, 32), torch.randint(0, 10, (8,))))
+        store = w.store_path
+    con = sqlite3.connect(store)
+    rows = con.execute("SELECT step, step_ms, probe_ms, sampled FROM steps ORDER BY step").fetchall()
+    sampled = [r for r in rows if r[3]]
+    plain = [r for r in rows if not r[3]]
+    assert len(sampled) == 8 and len(plain) == 8
+    assert all(0 < probe <= wall for _, wall, probe, _ in sampled)
+    # an unsampled step runs only the optimizer hooks and the step boundary: a small share of the
+    # sampled steps' probe time, not their finishing work carried over
+    assert max(p for _, _, p, _ in plain) < min(p for _, _, p, _ in sampled) / 2
