@@ -252,14 +252,15 @@ def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], act
 
 
 def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int,
-               sat_kind: str | None) -> tuple[torch.Tensor, CallLayout]:
+               sat_kind: str | None, scalar_reads_free: bool | None = None) -> tuple[torch.Tensor, CallLayout]:
     """The raw statistics of one module output as one small device vector, and its layout.
 
     Only what needs the whole tensor is computed here, with as few kernels as possible: the sum,
     E[x^2] as a dot product (Welford's std_mean is 60x slower on CPU), per-unit max and min over
     the non-unit dims, and a copy of <= HIST_SAMPLE evenly strided values for the histogram (and
-    the zero fraction). The NaN/Inf count is taken only when E[x^2] is not finite on the CPU
-    (reading a CPU scalar costs no device sync) and always on accelerators."""
+    the zero fraction). The NaN/Inf count is taken only when E[x^2] is not finite where reading
+    a scalar costs no device sync (``scalar_reads_free``, default: the tensor is on the CPU), and
+    on the device, into the chunk, everywhere else."""
     # detached, so no op below records autograd history (cheaper than entering no_grad per call)
     xf = x.detach()
     if xf.dtype not in (torch.float32, torch.float64):
@@ -281,7 +282,7 @@ def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: i
     else:
         unit_parts, paired, units, track = [flat.amax().reshape(1), flat.amin().reshape(1)], True, 1, False
     known: int | None = None
-    on_cpu = flat.device.type == "cpu"
+    on_cpu = flat.device.type == "cpu" if scalar_reads_free is None else scalar_reads_free
     if on_cpu and not extra_nonfinite and math.isfinite(head[1].item()):
         known = 0
     elif on_cpu:

@@ -174,9 +174,11 @@ def reference_row(x, udim):
             "absmax": finite.abs().max().item(), "nonfinite": xf.numel() - finite.numel(), "hist": hist}
 
 
-def test_a_step_of_mixed_calls_matches_references(monkeypatch):
+@pytest.mark.parametrize("scalar_reads_free", [True, False], ids=["cpu-layout", "accelerator-layout"])
+def test_a_step_of_mixed_calls_matches_references(monkeypatch, scalar_reads_free):
     """One fetch holding calls of every layout, interleaved with plain chunks, twice (the second
-    step reuses the cached index plan with new values)."""
+    step reuses the cached index plan with new values). The accelerator layout (NaN/Inf count
+    taken on the device, into the chunk) is exercised on CPU tensors."""
     monkeypatch.setattr(M, "MAX_UNITS", 64)
     torch.manual_seed(0)
     activity = M.UnitActivity(window=16)
@@ -195,7 +197,8 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch):
         slots, plain = [], []
         for i, (x, udim, key) in enumerate(calls):
             plain.append((m.add(torch.tensor([float(i), -float(i)])), [float(i), -float(i)]))
-            chunk, layout = M.call_chunk(x, [], udim, None)
+            chunk, layout = M.call_chunk(x, [], udim, "tanh" if key == "seq" else None, scalar_reads_free)
+            assert (layout.nonfinite is None) == (not scalar_reads_free)
             slots.append(m.add_call(chunk, layout, key))
         values = m.fetch(activity, step)
         for slot, expected in plain:
@@ -214,6 +217,8 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch):
             assert head["absmax"] == pytest.approx(ref["absmax"], rel=tol), key
             expected_dead = {"seq": 0.25, "conv": 0.0, "float64": 0.0, "half": 0.0}.get(key, M.NOT_APPLICABLE)
             assert head["dead_frac"] == pytest.approx(expected_dead), key
+            expected_sat = (x.abs() > 0.99).float().mean().item() if key == "seq" else M.NOT_APPLICABLE
+            assert head["sat_frac"] == pytest.approx(expected_sat), key
 
 
 def test_calls_of_one_module_fold_their_unit_activity():
