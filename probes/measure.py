@@ -113,38 +113,89 @@ class StepMeasurements:
         return slot
 
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
-        """Host values of every chunk, in order: one concatenation and one copy per device.
-        Call chunks come back as CALL_WIDTH rows."""
-        if not self._chunks:
-            return []
+        """Host values of every chunk, in order (see :meth:`start_fetch`); waits for the copy."""
+        return self.start_fetch().values(activity, sample_index)
+
+    def start_fetch(self) -> "PendingFetch":
+        """Start the step's host copy: one concatenation and one copy per device. On devices in
+        DEFERRED_COPY_DEVICES the copy goes non-blocking into pinned memory and is read later
+        (:meth:`PendingFetch.values`), so the training loop does not wait for the device."""
         by_device: dict[torch.device, list[int]] = {}
         for i, c in enumerate(self._chunks):
             by_device.setdefault(c.device, []).append(i)
-        out: list[list[float]] = [[] for _ in self._chunks]
+        groups = []
         for idx in by_device.values():
             # plain chunks first: only they are turned into Python lists whole
             plain = [i for i in idx if i not in self._calls]
             calls = [i for i in idx if i in self._calls]
             parts = [self._chunks[i].reshape(-1) for i in plain + calls]
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
-            host = torch.cat(parts).cpu()
-            pos = 0
-            plain_total = sum(t.numel() for t in parts[:len(plain)])
-            flat = host[:plain_total].tolist() if plain else []
-            for i, t in zip(plain, parts):
-                out[i] = flat[pos:pos + t.numel()]
-                pos += t.numel()
-            if calls:
-                starts = []
-                for t in parts[len(plain):]:
-                    starts.append(pos)
-                    pos += t.numel()
-                rows = _call_rows(host, [(s, *self._calls[i]) for i, s in zip(calls, starts)], activity,
-                                  sample_index)
-                for i, row in zip(calls, rows):
-                    out[i] = row
+            sizes = [t.numel() for t in parts]
+            dev = torch.cat(parts)
+            host, event = _start_copy(dev)
+            groups.append((plain, [(i, *self._calls[i]) for i in calls], sizes, dev, host, event))
+        n = len(self._chunks)
         self._chunks.clear()
         self._calls.clear()
+        return PendingFetch(n, groups)
+
+
+DEFERRED_COPY_DEVICES = {"cuda"}    # device types whose host copy is started non-blocking and read later
+
+
+def _start_copy(dev: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(host tensor, completion event or None). A deferred copy needs pinned memory and an event
+    (CUDA); elsewhere the copy is made now (on the CPU there is nothing to copy)."""
+    if dev.device.type not in DEFERRED_COPY_DEVICES:
+        return dev.cpu(), None
+    if dev.device.type != "cuda":
+        return dev, None                 # a device type forced into the deferred path (tests): no copy
+    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    host.copy_(dev, non_blocking=True)
+    with torch.cuda.device(dev.device):
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
+
+
+class PendingFetch:
+    """One sampled step's host copy, started by :meth:`StepMeasurements.start_fetch`."""
+
+    def __init__(self, n_chunks: int, groups: list) -> None:
+        self._n = n_chunks
+        self._groups = groups
+
+    @property
+    def deferred(self) -> bool:
+        """Whether reading the values may wait for a device (the copy was started non-blocking)."""
+        return any(dev.device.type in DEFERRED_COPY_DEVICES for _, _, _, dev, _, _ in self._groups)
+
+    def ready(self) -> bool:
+        """The copy has landed: reading the values now costs no wait."""
+        return all(event is None or event.query() for *_, event in self._groups)
+
+    def values(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
+        """Host values of every chunk, in order; call chunks come back as CALL_WIDTH rows."""
+        out: list[list[float]] = [[] for _ in range(self._n)]
+        for plain, calls, sizes, _dev, host, event in self._groups:
+            if event is not None:
+                event.synchronize()
+            pos = 0
+            plain_total = sum(sizes[:len(plain)])
+            flat = host[:plain_total].tolist() if plain else []
+            for i, n in zip(plain, sizes):
+                out[i] = flat[pos:pos + n]
+                pos += n
+            if calls:
+                starts = []
+                for n in sizes[len(plain):]:
+                    starts.append(pos)
+                    pos += n
+                rows = _call_rows(host, [(s, lay, key) for (_, lay, key), s in zip(calls, starts)], activity,
+                                  sample_index)
+                for (i, _, _), row in zip(calls, rows):
+                    out[i] = row
+        self._groups = []
         return out
 
 

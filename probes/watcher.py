@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -97,6 +98,19 @@ class _StepState:
         self.live = False               # real hooks attached (after the step's first forward)
 
 
+MAX_UNREAD_STEPS = 4      # a deferred host copy is read at the latest this many steps later
+
+
+@dataclasses.dataclass
+class _UnreadSample:
+    """A sampled step whose statistics are still being copied to the host (accelerators)."""
+    step: int
+    st: "_StepState"
+    fetch: measure.PendingFetch
+    loss_slots: list[tuple[int, int]]
+    started: int              # the watcher's step counter when the copy started
+
+
 class _Guard:
     """A plain class, not @contextmanager: hooks run hundreds of times per sampled step and a
     generator-based context manager costs several times more to enter and leave.
@@ -149,6 +163,7 @@ class Watcher:
         self._stepped: set[int] = set()
         self._probe_s = 0.0
         self._guard_depth = 0
+        self._unread: _UnreadSample | None = None   # a sampled step whose host copy is still in flight
         self._step_t0 = time.perf_counter()
         self._pending_losses: list[tuple[int, Any]] = []
         self._activity = measure.UnitActivity(window)
@@ -212,6 +227,8 @@ class Watcher:
 
     def findings(self) -> list[Finding]:
         """The current findings, most severe first."""
+        if not self._closed:
+            self._complete_unread(force=True)
         with self._lock:
             return F.sort_findings([f for f, _, _ in self._active.values()])
 
@@ -221,6 +238,7 @@ class Watcher:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"snapshot path must be a str or os.PathLike, got {type(path).__qualname__}: {path!r:.80}")
         if not self._closed:
+            self._complete_unread(force=True)
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
@@ -234,6 +252,8 @@ class Watcher:
                 return
             self._closed = True
         try:
+            if self._unread is not None:
+                self._complete_unread(force=True)
             if self._sampled and self._state is not None:
                 self._detach()
             for h in self._opt_handles:
@@ -628,6 +648,8 @@ class Watcher:
         t_end = time.perf_counter()
         step = self._step
         sampled = self._sampled and self._state is not None
+        if self._unread is not None:               # a deferred sample before this step's own
+            self._complete_unread(force=sampled)
         if sampled:
             with self._guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
@@ -653,7 +675,6 @@ class Watcher:
     def _finish_sample(self, step: int) -> None:
         st = self._state
         assert st is not None
-        model = self._model_ref()
         # tensors no optimizer stepped (unregistered, not-in-optimizer, or no optimizer at all)
         remaining = [t.param_id for t in self._structure.tensors
                      if t.tensor is not None and t.kind != "buffer" and t.param_id not in st.grad_slots
@@ -665,7 +686,26 @@ class Watcher:
             self._measure_updates(st, tids, before)
         pending, self._pending_losses = self._pending_losses, []
         loss_slots = [(s, st.m.add(v.reshape(-1)[:1])) for s, v in pending]
-        values = st.m.fetch(self._activity, self._sample_index)   # the one host copy of this step
+        fetch = st.m.start_fetch()                  # the one host copy of this step
+        if fetch.deferred:
+            # non-blocking on an accelerator: read at a later step boundary, once it has landed
+            self._unread = _UnreadSample(step, st, fetch, loss_slots, self._step)
+        else:
+            self._read_sample(step, st, fetch, loss_slots)
+
+    def _complete_unread(self, force: bool) -> None:
+        """Read a deferred sample's copy when it has landed (or now, with ``force``)."""
+        u = self._unread
+        if u is None or not (force or u.fetch.ready() or self._step - u.started >= MAX_UNREAD_STEPS):
+            return
+        self._unread = None
+        with self._guard("finish-sample"):
+            self._read_sample(u.step, u.st, u.fetch, u.loss_slots)
+
+    def _read_sample(self, step: int, st: _StepState, fetch: measure.PendingFetch,
+                     loss_slots: list[tuple[int, int]]) -> None:
+        model = self._model_ref()
+        values = fetch.values(self._activity, self._sample_index)
         if loss_slots:
             now = time.time()
             self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
@@ -694,7 +734,7 @@ class Watcher:
                     ops.append(records.moved_op(self.rank, {tid: self._moved[tid]}))
         if not self._writer.submit(ops):
             pass                                     # counted as dropped by the writer
-        if model is not None:
+        if model is not None and not self._closed:
             self._maybe_rebuild()
         self._update_findings(step, st, {m: s for m, (s, _) in msamples.items()}, tsamples)
 

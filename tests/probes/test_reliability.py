@@ -317,3 +317,43 @@ def test_compiled_model(run_dir):
     measured = {r[0] for r in con.execute(
         "SELECT DISTINCT m.path FROM module_stats s JOIN modules m USING(rank, module_id)")}
     assert "_orig_mod.net.0" in measured
+
+
+def _stored_stats(store):
+    con = sqlite3.connect(store)
+    try:
+        mods = con.execute("SELECT module_id, step, calls, numel, mean, std, absmax, zero_frac, dead_frac, "
+                           "nonfinite, out_grad_norm, hist FROM module_stats ORDER BY module_id, step").fetchall()
+        params = con.execute("SELECT param_id, step, grad_norm, data_norm, update_norm FROM param_stats "
+                             "ORDER BY param_id, step").fetchall()
+        losses = con.execute("SELECT step, loss FROM steps WHERE loss IS NOT NULL ORDER BY step").fetchall()
+    finally:
+        con.close()
+    return mods, params, losses
+
+
+def test_deferred_host_copy_stores_what_the_immediate_copy_stores(tmp_path, monkeypatch):
+    """On accelerators a sampled step's host copy is started non-blocking and read at a later
+    step boundary (or by snapshot(), findings() or close()). Forced onto the CPU here, the
+    deferred path stores exactly what the immediate one does, the last sample included."""
+    def run(deferred):
+        if deferred:
+            monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+        torch.manual_seed(0)
+        model = zoo.DeadReLU(dead_units=12)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with probes.watch(model, opt, run_dir=tmp_path / str(deferred), every=2) as w:
+            train(model, opt, w, 9, lambda: (torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)))
+            if deferred:
+                assert w._unread is not None          # step 8 was sampled: its copy is still unread
+            store = w.store_path
+        assert w._unread is None                      # close() read it before closing the store
+        codes = sorted((f.code, f.path) for f in w.findings())
+        monkeypatch.undo()
+        return _stored_stats(store), codes
+    (mods, params, losses), codes = run(False)
+    (dmods, dparams, dlosses), dcodes = run(True)
+    assert mods and params and max(r[1] for r in mods) == 8
+    assert (dmods, dparams, dlosses, dcodes) == (mods, params, losses, codes)
+    assert ("dead-units", "act") in codes
