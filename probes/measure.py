@@ -150,7 +150,10 @@ def _start_copy(dev: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return dev.cpu(), None
     if dev.device.type != "cuda":
         return dev, None                 # a device type forced into the deferred path (tests): no copy
-    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    try:
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    except RuntimeError:                 # no pinned memory to be had: copy now rather than lose the sample
+        return dev.cpu(), None
     host.copy_(dev, non_blocking=True)
     with torch.cuda.device(dev.device):
         event = torch.cuda.Event()

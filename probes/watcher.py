@@ -164,6 +164,7 @@ class Watcher:
         self._probe_s = 0.0
         self._guard_depth = 0
         self._unread: _UnreadSample | None = None   # a sampled step whose host copy is still in flight
+        self._thread = threading.get_ident()        # the training thread: the only one that reads samples
         self._step_t0 = time.perf_counter()
         self._pending_losses: list[tuple[int, Any]] = []
         self._activity = measure.UnitActivity(window)
@@ -227,7 +228,7 @@ class Watcher:
 
     def findings(self) -> list[Finding]:
         """The current findings, most severe first."""
-        if not self._closed:
+        if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
         with self._lock:
             return F.sort_findings([f for f, _, _ in self._active.values()])
@@ -238,7 +239,8 @@ class Watcher:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"snapshot path must be a str or os.PathLike, got {type(path).__qualname__}: {path!r:.80}")
         if not self._closed:
-            self._complete_unread(force=True)
+            if threading.get_ident() == self._thread:
+                self._complete_unread(force=True)
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
