@@ -188,22 +188,19 @@ def main(argv=None) -> int:
         # with the HTTP cache cleared (all scripts fetched and compiled again).
         overview_ready = (f"{q('#ov-cards')} && {q('#ov-cards')}.innerText.includes('BigModel')"
                           f" && {q('#ov-loss .scatterlayer .trace')}")
-        t0 = time.perf_counter()
-        driver.get(url)
-        until(driver, overview_ready)
-        results["overview_first_render_fresh_browser_s"] = time.perf_counter() - t0
-        driver.get("about:blank")
-        driver.execute_cdp_cmd("Network.clearBrowserCache", {})
-        t0 = time.perf_counter()
-        driver.get(url)
-        until(driver, overview_ready)
-        results["overview_first_render_s"] = time.perf_counter() - t0
-        driver.get("about:blank")
-        driver.execute_cdp_cmd("Network.clearBrowserCache", {})
-        t0 = time.perf_counter()
-        driver.get(url + "modules")
-        until(driver, q(".tree-row[data-path='layers.0']"))
-        results["tree_first_render_s"] = time.perf_counter() - t0
+        def load(page: str, ready: str, cold: bool) -> float:
+            """Seconds from navigation to `ready` (with the HTTP cache cleared first when cold)."""
+            if cold:
+                driver.get("about:blank")
+                driver.execute_cdp_cmd("Network.clearBrowserCache", {})
+            t0 = time.perf_counter()
+            driver.get(url + page)
+            until(driver, ready)
+            return time.perf_counter() - t0
+
+        results["overview_first_render_fresh_browser_s"] = load("", overview_ready, cold=False)
+        results["overview_first_render_s"] = load("", overview_ready, cold=True)
+        results["tree_first_render_s"] = load("modules", q(".tree-row[data-path='layers.0']"), cold=True)
         results["tree_rows_rendered"] = driver.execute_script("return document.querySelectorAll('.tree-row').length")
 
         # expand a node (and collapse it again)
