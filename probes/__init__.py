@@ -1,88 +1,82 @@
 """modscope probes: live per-module statistics, structural audit and findings for PyTorch.
 
     import probes
-    with probes.watch(model, optimizer) as w:      # run_dir defaults to ./runs/<time>
+    with probes.watch(model, optimizer) as w:      # writes under ./runs/<time>
         for x, y in data:
             loss = loss_fn(model(x), y)
             optimizer.zero_grad(); loss.backward(); optimizer.step()
             w.step(loss)                           # optional: records the loss
-    print(w.findings())
+    print(*w.findings(), sep="\\n")
 
-Then ``python app.py --run runs/<time>`` shows it in the dashboard.
+Then ``modscope serve --run runs/<time>`` shows it in the dashboard.
+
+The package imports lazily: ``import probes.schema`` (the store's contract, which the dashboard reads)
+needs neither torch nor anything else of probes.
 """
+
 from __future__ import annotations
 
-import datetime
-import os
-from pathlib import Path
-from typing import Any
+import importlib
+import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from ._version import __version__
 
-from .audit import audit
-from .findings import CODES, Finding
-from .schema import SCHEMA_VERSION, STORE_FILENAME
-from .structure import normalize_optimizers
-from .watcher import Watcher
+__all__ = ["CODES", "Finding", "Watcher", "__version__", "audit", "watch"]
 
-__all__ = ["watch", "audit", "Watcher", "Finding", "CODES", "SCHEMA_VERSION", "STORE_FILENAME", "__version__"]
-__version__ = "0.1.0"
+TORCH_HINT = ("modscope's probes need PyTorch (>= 2.4), which is not installed: pip install torch "
+              "(the dashboard alone, `modscope serve`, needs no torch)")
+
+# public name -> the submodule that defines it
+_LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings",
+         "CODES": ".findings", "SCHEMA_VERSION": ".schema", "STORE_FILENAME": ".schema"}
+_TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION", "STORE_FILENAME"}
 
 
-def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike | None = None,
-          every: int | None = None, overhead: float = 0.01, window: int = 16,
-          run_name: str | None = None) -> Watcher:
-    """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
-
-    Args:
-        model: the ``nn.Module`` whose forward you call.
-        optimizer: ``None``, an optimizer, or a list of them (GAN). Steps end at
-            ``optimizer.step()``; without one, call ``w.step()`` once per step.
-        run_dir: directory for the store (``modscope.sqlite``); default ``./runs/<time>``.
-        every: sample every N-th step. ``None`` (default) chooses the interval from the measured
-            cost so that the average overhead stays under ``overhead``.
-        overhead: overhead budget as a fraction of step time (default 0.01 = 1%).
-        window: sampled steps in the window of the dead-unit/constant-output detectors.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
-    optimizers = normalize_optimizers(optimizer)
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"every must be a positive int or None, got {every!r}")
-    if every is None:
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
-            raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    rank, world_size = _rank()
-    if run_dir is None:
-        stamp = os.environ.get("TORCHELASTIC_RUN_ID") if world_size > 1 else None
-        stamp = stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        run_dir = Path("runs") / stamp
-    elif not isinstance(run_dir, (str, os.PathLike)):
-        raise TypeError(f"run_dir must be a str, os.PathLike or None, got {type(run_dir).__qualname__}: {run_dir!r:.80}")
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"run_dir {str(run_dir)!r} exists and is not a directory")
+def _torch_missing() -> bool:
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is None          # None: blocked on purpose
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"run_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
-    return Watcher(model, optimizers, run_dir, every=every, overhead=None if every else float(overhead),
-                   window=window, rank=rank, world_size=world_size,
-                   run_name=run_name or run_dir.name)
+        return importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        return True
 
 
-def _rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:       # a broken distributed setup must not stop training
-        pass
-    try:
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    except ValueError:
-        return 0, 1
+def _importing_a_submodule() -> bool:
+    """True while Python imports this package only as the parent of a submodule (``import
+    probes.schema``): then a missing torch is no error, since the submodule may not need it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_find_and_load_unlocked" and code.co_filename.startswith("<frozen importlib"):
+            name = frame.f_locals.get("name")
+            if isinstance(name, str) and name.startswith(__name__ + "."):
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+if _torch_missing() and not _importing_a_submodule():
+    raise ModuleNotFoundError(TORCH_HINT, name="torch")
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _TORCH_FREE and _torch_missing():
+        raise ModuleNotFoundError(TORCH_HINT, name="torch")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .api import audit, watch
+    from .findings import CODES, Finding
+    from .watcher import Watcher

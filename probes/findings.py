@@ -1,73 +1,33 @@
-"""Findings: what modscope reports, with stable codes. Pure data, no torch."""
+"""Findings: what modscope reports. Pure data, no torch.
+
+Every message text lives here, one builder per kind of finding, so the wording of all of them can be
+read (and kept consistent) in one place. Codes, severities, badge labels and fixes are part of the
+store's contract and live in :mod:`probes.schema`.
+"""
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-SEVERITIES = ("error", "warning", "info")
-SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+from .schema import CODES as CODE_INFO
+from .schema import SEVERITY_ORDER, FindingCode, Severity, display_path
 
-# code -> (default severity, the fix shown to the user)
-CODES: dict[str, tuple[str, str]] = {
-    "unregistered-module": (
-        "error",
-        "Hold sub-modules in nn.ModuleList / nn.ModuleDict / nn.Sequential (or assign them as attributes) "
-        "so that parameters(), the optimizer, state_dict(), .to() and eval() see them."),
-    "unregistered-tensor": (
-        "error",
-        "Make learned tensors nn.Parameter; register state with register_buffer(name, t) "
-        "(persistent=False for constants recomputable from the config)."),
-    "not-in-optimizer": (
-        "error",
-        "Build the optimizer after the model is final (after replacing heads or unfreezing), "
-        "from model.parameters(), or add the parameter with optimizer.add_param_group()."),
-    "stale-optimizer-param": (
-        "warning",
-        "Rebuild the optimizer after replacing modules, so it holds the parameters the model uses now."),
-    "frozen-parameter": (
-        "info",
-        "Expected if you froze it on purpose; otherwise call requires_grad_(True)."),
-    "dead-layer": (
-        "error",
-        "Check initialisation, learning rate and the preceding normalisation; consider LeakyReLU/GELU "
-        "or a lower learning rate."),
-    "dead-units": (
-        "warning",
-        "Check initialisation and learning rate; consider LeakyReLU/GELU."),
-    "saturated": (
-        "warning",
-        "Normalise the input of the activation (LayerNorm/BatchNorm), lower the learning rate or rescale "
-        "the initialisation."),
-    "not-updating": (
-        "error",
-        "Give the tensor to the optimizer (register it: nn.Parameter / nn.ModuleList) and check its "
-        "learning rate."),
-    "grad-accumulating": (
-        "warning",
-        "Zero the gradient every step: register the tensor so optimizer.zero_grad() reaches it, or call "
-        "model.zero_grad()."),
-    "training-mode-mismatch": (
-        "error",
-        "Register the module so model.train()/model.eval() reach it, or set its mode explicitly."),
-    "train-mode-under-no-grad": (
-        "warning",
-        "Call model.eval() before validation and model.train() after it; no_grad() does not change "
-        "Dropout or BatchNorm behaviour."),
-    "non-finite": (
-        "error",
-        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype."),
-    "forward-bypassed": (
-        "warning",
-        "Call the module (module(x)), not module.forward(x): calling forward() skips every hook."),
-    "shared-parameter": (
-        "info",
-        "Expected for tied weights; the tensor is stored once in parameters() and updated once."),
-}
+__all__ = ["CODES", "SEVERITIES", "Finding", "sort_findings"]
+
+SEVERITIES = tuple(str(s) for s in Severity)
+# code -> (default severity, fix), the public view of the codes (``probes.CODES``)
+CODES: dict[str, tuple[str, str]] = {str(code): (str(info.severity), info.fix) for code, info in CODE_INFO.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One problem found in a model, at one path."""
+    """One problem found in a model, at one path.
+
+    ``cause`` is the ``(code, path)`` of the finding that explains this one (three layers kept in a
+    plain list are *unregistered*; that they do not update is a consequence), or None for a root cause.
+    """
 
     code: str
     severity: str
@@ -76,10 +36,11 @@ class Finding:
     evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
     fix: str = ""
     step: int | None = None
+    cause: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if self.code not in CODES:
-            raise ValueError(f"unknown finding code {self.code!r}; expected one of {sorted(CODES)}")
+        if self.code not in CODE_INFO:
+            raise ValueError(f"unknown finding code {self.code!r}; expected one of {sorted(CODE_INFO)}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}; expected one of {SEVERITIES}")
 
@@ -88,21 +49,196 @@ class Finding:
         return (self.code, self.path)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "severity": self.severity, "path": self.path,
-                "message": self.message, "evidence": dict(self.evidence), "fix": self.fix,
-                "step": self.step}
+        return {"code": self.code, "severity": self.severity, "path": self.path, "message": self.message,
+                "evidence": dict(self.evidence), "fix": self.fix, "step": self.step,
+                "cause": list(self.cause) if self.cause else None}
 
     def __str__(self) -> str:
-        where = self.path if self.path else "<root>"
-        return f"[{self.severity}] {self.code} at {where}: {self.message}"
+        return f"[{self.severity}] {self.code} at {display_path(self.path)}: {self.message}"
 
 
 def make(code: str, path: str, message: str, evidence: dict[str, Any] | None = None,
-         severity: str | None = None, step: int | None = None) -> Finding:
-    default_severity, fix = CODES[code]
-    return Finding(code=code, severity=severity or default_severity, path=path, message=message,
-                   evidence=evidence or {}, fix=fix, step=step)
+         severity: str | None = None, step: int | None = None, cause: tuple[str, str] | None = None) -> Finding:
+    info = CODE_INFO[code]
+    return Finding(code=str(code), severity=str(severity or info.severity), path=path, message=message,
+                   evidence=evidence or {}, fix=info.fix, step=step, cause=cause)
 
 
-def sort_findings(findings: list[Finding]) -> list[Finding]:
-    return sorted(findings, key=lambda f: (SEVERITY_RANK[f.severity], f.code, f.path))
+def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: (SEVERITY_ORDER[Severity(f.severity)], f.code, f.path))
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+# ------------------------------------------------------------------------------------ structure
+def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, owner: str,
+                        mode_sensitive: Sequence[str], matters: bool, step: int | None) -> Finding:
+    msg = (f"{type_name} at {display_path(path)} is held in a plain Python attribute/container, not "
+           "registered: ")
+    if matters:
+        msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) run in forward and get gradients "
+                "but are invisible to model.parameters(), the optimizer, state_dict(), .to() and .eval().")
+    else:
+        msg += "it holds no parameters or buffers, so only .train()/.eval() miss it."
+    return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=None if matters else Severity.INFO,
+                evidence={"type": type_name, "parameter_tensors": n_tensors, "parameter_numbers": numel,
+                          "reachable_from": display_path(owner), "mode_sensitive": list(mode_sensitive)},
+                step=step)
+
+
+def unregistered_tensor(path: str, *, is_parameter: bool, requires_grad: bool, shape: list[int] | None,
+                        dtype: str, device: str, step: int | None) -> Finding:
+    what = "an nn.Parameter" if is_parameter else "a plain tensor"
+    if requires_grad:
+        msg = (f"{path} is {what} with requires_grad=True stored as an ordinary attribute: it gets gradients, "
+               "but the optimizer, state_dict(), .to() and .cuda() never see it.")
+    else:
+        msg = (f"{path} is a plain tensor attribute, neither a Parameter nor a buffer: .to() does not move it "
+               "and state_dict() does not save it.")
+    return make(FindingCode.UNREGISTERED_TENSOR, path, msg,
+                severity=Severity.ERROR if requires_grad else Severity.WARNING,
+                evidence={"shape": shape, "dtype": dtype, "device": device, "requires_grad": requires_grad,
+                          "is_parameter": is_parameter}, step=step)
+
+
+def frozen_parameter(path: str, shape: list[int] | None, in_optimizer: bool, step: int | None) -> Finding:
+    return make(FindingCode.FROZEN_PARAMETER, path,
+                f"{path} has requires_grad=False: it is saved and moved but never trained.",
+                evidence={"shape": shape, "in_optimizer": in_optimizer}, step=step)
+
+
+def not_in_optimizer(path: str, shape: list[int] | None, numel: int, step: int | None) -> Finding:
+    return make(FindingCode.NOT_IN_OPTIMIZER, path,
+                f"{path} requires grad, but no param group of the watched optimizer(s) holds it (membership is "
+                "by object identity): its gradient is computed, but optimizer.step() never updates it and "
+                "zero_grad() never clears it.", evidence={"shape": shape, "numel": numel}, step=step)
+
+
+def shared_parameter(path: str, aliases: Sequence[str], shape: list[int] | None, step: int | None) -> Finding:
+    return make(FindingCode.SHARED_PARAMETER, path,
+                f"{path} is the same Parameter as {', '.join(aliases)} (tied weights).",
+                evidence={"aliases": list(aliases), "shape": shape}, step=step)
+
+
+def stale_optimizer_param(where: str, shape: list[int] | None, opt_index: int, group: int, index: int,
+                          looks_like: str | None, step: int | None) -> Finding:
+    hint = (f" It has the shape of {looks_like}, which the optimizer does not hold: the module was probably "
+            "replaced after the optimizer was built.") if looks_like else ""
+    return make(FindingCode.STALE_OPTIMIZER_PARAM, where,
+                f"The optimizer holds a tensor of shape {shape} that is not part of the model: it updates a "
+                f"tensor the model no longer uses.{hint}",
+                evidence={"optimizer": opt_index, "group": group, "index": index, "shape": shape,
+                          "replaced": looks_like}, step=step)
+
+
+def runtime_module(path: str, type_name: str, called_from: str, *, has_state: bool, seen_before: bool,
+                   same_object: bool, numel: int, step: int | None) -> Finding:
+    """A module executed inside the model but reachable from none of its attributes."""
+    caller = display_path(called_from)
+    if has_state and same_object:
+        msg = (f"{type_name} is called inside {caller} but is not reachable from the model's attributes (held "
+               "in a closure or a global): its parameters are invisible to the optimizer, state_dict(), .to() "
+               "and .eval().")
+    elif has_state and seen_before:
+        msg = (f"A new {type_name} is constructed on every forward call inside {caller}: its weights are "
+               "re-initialised each call and never trained, saved or moved.")
+    elif has_state:
+        msg = (f"{type_name} with parameters runs inside {caller} but is not part of the model: the optimizer, "
+               "state_dict(), .to() and .eval() miss it.")
+    else:
+        msg = (f"{type_name} is built or held outside the model and called in forward ({caller}); it has no "
+               "parameters or buffers, so this is harmless (a loss criterion built per call, for example).")
+    return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=Severity.ERROR if has_state else Severity.INFO,
+                evidence={"type": type_name, "called_from": caller, "parameter_numbers": numel,
+                          "same_object_each_step": same_object}, step=step)
+
+
+# ------------------------------------------------------------------------------------ activations
+def dead_constant(path: str, type_name: str, mean: float | None, samples: int, evidence: dict[str, Any],
+                  step: int) -> Finding:
+    return make(FindingCode.DEAD_LAYER, path,
+                f"The output of {display_path(path)} ({type_name}) is constant ({mean!r}) in every one of the "
+                f"last {samples} samples: it carries no information and passes no useful gradient.",
+                evidence=evidence, step=step)
+
+
+def dead_layer(path: str, type_name: str, dead: float, samples: int, evidence: dict[str, Any],
+               step: int) -> Finding:
+    return make(FindingCode.DEAD_LAYER, path,
+                f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated (always zero) "
+                f"over the last {samples} sampled steps: the layer is dead and its inputs get no gradient "
+                "through it.", evidence=evidence, step=step)
+
+
+def dead_units(path: str, type_name: str, dead: float, samples: int, evidence: dict[str, Any],
+               step: int) -> Finding:
+    return make(FindingCode.DEAD_UNITS, path,
+                f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated over the last "
+                f"{samples} sampled steps: capacity is wasted.", evidence=evidence, step=step)
+
+
+def saturated(path: str, type_name: str, fraction: float, samples: int, step: int) -> Finding:
+    return make(FindingCode.SATURATED, path,
+                f"{fraction:.0%} of the outputs of {display_path(path)} ({type_name}) sit in the saturated "
+                "tails, where the gradient is nearly zero: learning through it stalls.",
+                evidence={"saturated_fraction": fraction, "samples": samples, "type": type_name}, step=step)
+
+
+def non_finite_activation(path: str, count: int, step: int, affected: Sequence[str]) -> Finding:
+    return make(FindingCode.NON_FINITE, path,
+                f"{display_path(path)} produced {count} NaN/Inf values in step {step}; it is the first module "
+                f"in execution order to do so ({len(affected)} modules affected).",
+                evidence={"nonfinite": count, "modules_affected": len(affected),
+                          "first_modules": list(affected[:5]), "kind": "activation"}, step=step)
+
+
+def non_finite_gradient(path: str, tensor_path: str, step: int, tensors: Sequence[str], count: int) -> Finding:
+    return make(FindingCode.NON_FINITE, path,
+                f"The gradient of {tensor_path} is NaN/Inf in step {step} ({count} tensors affected).",
+                evidence={"tensors": list(tensors[:5]), "kind": "gradient"}, step=step)
+
+
+# ------------------------------------------------------------------------------------ parameters
+def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int) -> Finding:
+    reason = ("no watched optimizer holds it" if not in_optimizer
+              else "the optimizer holds it but did not change it")
+    return make(FindingCode.NOT_UPDATING, path,
+                f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
+                f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
+                evidence={"grad_norm": grad_norm, "steps": list(steps), "in_optimizer": in_optimizer}, step=step)
+
+
+def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms: Sequence[float | None],
+                      step: int) -> Finding:
+    return make(FindingCode.GRAD_ACCUMULATING, path,
+                f"{path}.grad was not zeroed between steps: each backward adds to the previous gradient (norm "
+                f"before the new one: {stale_norms[-1]:.3g}), so it grows for the whole run and holds a "
+                "gradient buffer nobody uses.",
+                evidence={"stale_grad_norms": list(stale_norms), "grad_norms": list(grad_norms)}, step=step)
+
+
+def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str], step: int) -> Finding:
+    return make(FindingCode.FORWARD_BYPASSED, module_path,
+                f"{tensor_path} received a gradient in step {step}, but its module {modules[0]} was never called "
+                "through __call__ in that step: someone called .forward() directly, so hooks (pruning masks, "
+                "probes, FSDP) never ran.", evidence={"parameter": tensor_path, "modules": list(modules)},
+                step=step)
+
+
+# ------------------------------------------------------------------------------------ modes
+def training_mode_mismatch(path: str, type_name: str, training: bool, root_training: bool, step: int) -> Finding:
+    return make(FindingCode.TRAINING_MODE_MISMATCH, path,
+                f"{display_path(path)} ({type_name}) ran with training={training} while the model is in "
+                f"{'train' if root_training else 'eval'} mode: model.train()/eval() did not reach it.",
+                evidence={"module_training": training, "root_training": root_training}, step=step)
+
+
+def train_mode_under_no_grad(modules: Sequence[str], inference_mode: bool, step: int) -> Finding:
+    ctx = "inference_mode()" if inference_mode else "no_grad()"
+    return make(FindingCode.TRAIN_MODE_UNDER_NO_GRAD, "",
+                f"A forward ran under {ctx} while {len(modules)} Dropout/BatchNorm modules were in training "
+                "mode (e.g. " + ", ".join(display_path(n) for n in modules[:3]) + "): validation in train mode "
+                "applies dropout and overwrites BatchNorm running statistics with validation data.",
+                evidence={"modules": list(modules[:20]), "count": len(modules), "context": ctx}, step=step)

@@ -10,7 +10,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
-from .schema import HIST_BINS, HIST_EDGES
+from .schema import HIST_BINS, HIST_EDGES, ZERO_BIN
 
 # layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
 CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
@@ -19,7 +19,6 @@ HIST_SAMPLE = 1024            # the histogram is taken on at most this many even
 UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step() for the update norm
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NOT_APPLICABLE = -1.0
-ZERO_BIN = HIST_EDGES.index(1e-6)     # the bin [-1e-6, 1e-6)
 
 
 def float_tensors(output: Any, limit: int = 16) -> list[torch.Tensor]:
@@ -497,6 +496,14 @@ class UpdateSampler:
 
 
 _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def release_caches() -> None:
+    """Drop the index tensors cached across steps (a closing watcher calls it: a long notebook session
+    watching many models must not keep them, some of which live on an accelerator)."""
+    _PLANS.clear()
+    _INDEX.clear()
+    _SEGMENTS.clear()
 
 
 def _segment_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -1,13 +1,45 @@
-"""Pure record builders: Python values in, (sql, rows) operations out. No I/O, no torch."""
+"""Pure record builders: Python values in, (sql, rows) operations out. No I/O.
+
+Every SQL statement the probes write is built here."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .findings import Finding
-from .schema import HIST_EDGES, SCHEMA_VERSION
-from .store import Op, upsert_sql
-from .structure import ModuleNode, TensorNode
+from .schema import HIST_EDGES, SCHEMA_VERSION, TABLES
+
+if TYPE_CHECKING:
+    from .findings import Finding
+    from .guard import ErrorEntry
+    from .structure import ModuleNode, TensorNode
+
+Row = tuple[Any, ...]
+Op = tuple[str, list[Row]]          # one executemany: (sql, rows)
+
+
+class TrackedFindingLike(Protocol):
+    @property
+    def finding(self) -> Finding: ...
+    @property
+    def module_id(self) -> int | None: ...
+    @property
+    def first_step(self) -> int: ...
+
+
+def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str], keep: Iterable[str] = ()) -> str:
+    """INSERT ... ON CONFLICT(key) DO UPDATE of every column but the key and ``keep``."""
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; expected one of {TABLES}")
+    cols = list(columns)
+    key = list(key)
+    fixed = set(key) | set(keep)
+    updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in fixed)
+    placeholders = ", ".join("?" for _ in cols)
+    conflict = (f"ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}" if updates
+                else f"ON CONFLICT({', '.join(key)}) DO NOTHING")
+    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({placeholders}) {conflict}"
 
 MODULE_COLS = ("rank", "module_id", "path", "parent_id", "name", "type", "type_module", "kind", "depth",
                "n_children", "params_total", "params_trainable", "params_in_optimizer", "first_step")
@@ -24,12 +56,12 @@ RANK_COLS = ("rank", "world_size", "hostname", "pid", "model_class", "torch_vers
              "device", "sampling", "started_at", "updated_at", "status", "step")
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, default=str, allow_nan=False) if value is not None else None  # type: ignore[return-value]
+def _json(value: Any) -> str | None:
+    return json.dumps(value, default=str, allow_nan=False) if value is not None else None
 
 
 def finite_or_none(x: float | None) -> float | None:
-    if x is None or x != x or x in (float("inf"), float("-inf")):
+    if x is None or not math.isfinite(x):
         return None
     return float(x)
 
@@ -83,47 +115,51 @@ def loss_op(rank: int, step: int, wall_time: float, loss: float | None) -> Op:
     return (sql, [(rank, step, wall_time, finite_or_none(loss))])
 
 
-def module_stats_op(rows: list[tuple]) -> Op:
+def module_stats_op(rows: list[Row]) -> Op:
     return (upsert_sql("module_stats", MSTAT_COLS, ("rank", "module_id", "step")), rows)
 
 
-def param_stats_op(rows: list[tuple]) -> Op:
+def param_stats_op(rows: list[Row]) -> Op:
     return (upsert_sql("param_stats", PSTAT_COLS, ("rank", "param_id", "step")), rows)
 
 
-def moved_op(rank: int, moved: dict[int, int]) -> Op:
+def moved_op(rank: int, moved: Mapping[int, int]) -> Op:
     return ("UPDATE params SET moved=? WHERE rank=? AND param_id=?",
             [(v, rank, pid) for pid, v in moved.items()])
 
 
-def findings_ops(rank: int, active: Iterable[tuple[Finding, int | None, int | None]],
-                 resolved: Iterable[tuple[str, str]], step: int | None) -> list[Op]:
-    """active: (finding, module_id, first_step). Upserts keep first_step from the first sighting."""
-    sql = (f"INSERT INTO findings ({', '.join(FINDING_COLS)}) VALUES ({', '.join('?' * len(FINDING_COLS))}) "
-           "ON CONFLICT(rank, code, path) DO UPDATE SET severity=excluded.severity, "
-           "module_id=excluded.module_id, message=excluded.message, fix=excluded.fix, "
-           "evidence=excluded.evidence, last_step=excluded.last_step, active=1")
-    rows = [(rank, f.code, f.path, f.severity, mid, f.message, f.fix, _json(_clean(f.evidence)), first,
-             step, 1) for f, mid, first in active]
-    ops: list[Op] = [(sql, rows)] if rows else []
+_FINDING_SQL = (f"INSERT INTO findings ({', '.join(FINDING_COLS)}) VALUES ({', '.join('?' * len(FINDING_COLS))}) "
+                "ON CONFLICT(rank, code, path) DO UPDATE SET severity=excluded.severity, "
+                "module_id=excluded.module_id, message=excluded.message, fix=excluded.fix, "
+                "evidence=excluded.evidence, last_step=excluded.last_step, active=1")
+
+
+def findings_ops(rank: int, changed: Iterable[TrackedFindingLike], resolved: Iterable[tuple[str, str]],
+                 step: int) -> list[Op]:
+    """Upsert the new or changed findings (first_step stays that of the first sighting), mark the
+    resolved ones inactive, and move the last step of every active one."""
+    rows = [(rank, t.finding.code, t.finding.path, t.finding.severity, t.module_id, t.finding.message,
+             t.finding.fix, _json(_clean(t.finding.evidence)), t.first_step, step, 1) for t in changed]
+    ops: list[Op] = [(_FINDING_SQL, rows)] if rows else []
     res = [(step, rank, code, path) for code, path in resolved]
     if res:
         ops.append(("UPDATE findings SET active=0, last_step=? WHERE rank=? AND code=? AND path=?", res))
+    ops.append(("UPDATE findings SET last_step=? WHERE rank=? AND active=1", [(step, rank)]))
     return ops
 
 
-def errors_op(rank: int, errors: dict[tuple[str, str], dict[str, Any]]) -> Op:
+def errors_op(rank: int, errors: Mapping[tuple[str, str], ErrorEntry]) -> Op:
     sql = ("INSERT INTO probe_errors(rank, location, error_type, message, count, first_step, last_step) "
            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(rank, location, error_type) DO UPDATE SET "
            "message=excluded.message, count=excluded.count, last_step=excluded.last_step")
-    return (sql, [(rank, loc, etype, e["message"], e["count"], e["first_step"], e["last_step"])
+    return (sql, [(rank, loc, etype, e.message, e.count, e.first_step, e.last_step)
                   for (loc, etype), e in errors.items()])
 
 
 def _clean(value: Any) -> Any:
     """Evidence must be strict JSON: NaN/Inf become strings."""
     if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else str(value)
+        return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
         return {str(k): _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -1,25 +1,316 @@
-"""The run store's schema: the only contract between ``probes`` and ``dashboard``.
+"""The run store's schema: the only contract between ``probes`` (the writer) and ``dashboard`` (the reader).
 
-Versioned with ``PRAGMA user_version``. Readers refuse a store whose version is newer
-than the one they know. Every row carries ``rank`` (0 when not distributed).
-See docs/schema.md for the meaning of every column.
+Everything both sides must agree on lives here and nowhere else: the DDL and its version, the file
+names of a run directory, the tables, the finding codes with their severities and badge labels, the
+closed sets of string values, and the grammar of module and tensor paths. This module imports the
+standard library only (never torch): the dashboard imports it on machines without torch.
+
+Versioned with ``PRAGMA user_version``. Readers refuse a store whose version is newer than the one
+they know and read every older one (columns added later read as NULL). Every row carries ``rank``.
+See docs/schema.md for what the tables mean.
 """
 
-SCHEMA_VERSION = 1
-STORE_FILENAME = "modscope.sqlite"
+from __future__ import annotations
 
-# Activation histogram: fixed, signed log-spaced bin edges shared by every sample, so a
-# heat map over time needs no re-binning. Bin i counts values in [EDGES[i-1], EDGES[i]);
-# bin 0 is (-inf, EDGES[0]) and the last bin is [EDGES[-1], inf). Exact zeros have a bin
-# of their own (between -1e-6 and 1e-6).
+import enum
+import json
+import os
+import re
+import sqlite3
+import sys
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+    class StrEnum(str, enum.Enum):
+        """``enum.StrEnum`` for Python 3.10: members are strs and format as their value."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+__all__ = [
+    "CODES",
+    "DDL",
+    "HIST_BINS",
+    "HIST_EDGES",
+    "LEGACY_STORE_FILENAME",
+    "MIN_READ_VERSION",
+    "SCHEMA_VERSION",
+    "SEVERITY_ORDER",
+    "STORE_FILENAME",
+    "TABLES",
+    "CodeInfo",
+    "FindingCode",
+    "ModuleKind",
+    "RunStatus",
+    "Severity",
+    "StoreName",
+    "TensorKind",
+    "WriterState",
+    "WriterStatus",
+    "code_label",
+    "display_path",
+    "encode_status",
+    "module_path_candidates",
+    "normalize_path",
+    "parse_store_filename",
+    "read_status",
+    "runtime_label",
+    "snapshot",
+    "status_path",
+    "store_filename",
+]
+
+SCHEMA_VERSION = 2
+MIN_READ_VERSION = 1          # the oldest store version readers still open
+
+# ---------------------------------------------------------------------------------- file names
+# A run directory holds one store per (run, rank): ``modscope-<run_id>-rank<R>.sqlite``, each with a
+# single writer. Version 1 wrote every rank of one run into ``modscope.sqlite``; readers still open it.
+LEGACY_STORE_FILENAME = "modscope.sqlite"
+STORE_FILENAME = LEGACY_STORE_FILENAME       # kept for older imports; new stores use store_filename()
+STORE_PREFIX = "modscope-"
+STORE_SUFFIX = ".sqlite"
+LOCK_SUFFIX = ".lock"         # <store>.lock: the live writer's pid and host (two writers are refused)
+STATUS_SUFFIX = ".status"     # <store>.status: the writer's health, overwritten in place (readable on a full disk)
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_STORE_NAME_RE = re.compile(r"^modscope-(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,63})-rank(?P<rank>\d{1,6})\.sqlite$")
+
+
+@dataclass(frozen=True)
+class StoreName:
+    """What a store's file name says: the run it belongs to and the rank that writes it."""
+
+    run_id: str
+    rank: int
+
+
+def store_filename(run_id: str, rank: int) -> str:
+    """The file name of the store of ``rank`` in run ``run_id``."""
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-' (starting with a "
+                         "letter or digit)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    return f"{STORE_PREFIX}{run_id}-rank{rank}{STORE_SUFFIX}"
+
+
+def parse_store_filename(name: str) -> StoreName | None:
+    """The run and rank of a per-rank store file name, or None for any other name."""
+    m = _STORE_NAME_RE.match(name)
+    return StoreName(m.group("run"), int(m.group("rank"))) if m else None
+
+
+# ---------------------------------------------------------------------------------- closed sets
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+SEVERITY_ORDER = MappingProxyType({Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2})
+
+
+class ModuleKind(StrEnum):
+    REGISTERED = "registered"        # in model.modules()
+    UNREGISTERED = "unregistered"    # reachable from the model's attributes only
+    RUNTIME = "runtime"              # executed during forward, reachable from nowhere
+
+
+class TensorKind(StrEnum):
+    PARAMETER = "parameter"          # a registered parameter
+    BUFFER = "buffer"                # a registered buffer
+    TENSOR = "tensor"                # an unregistered tensor or Parameter
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    """A finding code: its default severity, the short label of its badge and what to do about it."""
+
+    severity: Severity
+    label: str
+    fix: str
+
+
+class FindingCode(StrEnum):
+    UNREGISTERED_MODULE = "unregistered-module"
+    UNREGISTERED_TENSOR = "unregistered-tensor"
+    NOT_IN_OPTIMIZER = "not-in-optimizer"
+    STALE_OPTIMIZER_PARAM = "stale-optimizer-param"
+    FROZEN_PARAMETER = "frozen-parameter"
+    DEAD_LAYER = "dead-layer"
+    DEAD_UNITS = "dead-units"
+    SATURATED = "saturated"
+    NOT_UPDATING = "not-updating"
+    GRAD_ACCUMULATING = "grad-accumulating"
+    TRAINING_MODE_MISMATCH = "training-mode-mismatch"
+    TRAIN_MODE_UNDER_NO_GRAD = "train-mode-under-no-grad"
+    TRAIN_STEP_IN_EVAL_MODE = "train-step-in-eval-mode"
+    EVAL_BUILDS_GRAPH = "eval-builds-graph"
+    NON_FINITE = "non-finite"
+    FORWARD_BYPASSED = "forward-bypassed"
+    SHARED_PARAMETER = "shared-parameter"
+    RANK_DIVERGENCE = "rank-divergence"
+    RANK_STRAGGLER = "rank-straggler"
+
+
+_E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
+CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
+    FindingCode.UNREGISTERED_MODULE: CodeInfo(
+        _E, "unregistered",
+        "Hold sub-modules in nn.ModuleList / nn.ModuleDict / nn.Sequential (or assign them as attributes) "
+        "so that parameters(), the optimizer, state_dict(), .to() and eval() see them."),
+    FindingCode.UNREGISTERED_TENSOR: CodeInfo(
+        _E, "unregistered tensor",
+        "Make learned tensors nn.Parameter; register state with register_buffer(name, t) "
+        "(persistent=False for constants recomputable from the config)."),
+    FindingCode.NOT_IN_OPTIMIZER: CodeInfo(
+        _E, "not in optimizer",
+        "Build the optimizer after the model is final (after replacing heads or unfreezing), "
+        "from model.parameters(), or add the parameter with optimizer.add_param_group()."),
+    FindingCode.STALE_OPTIMIZER_PARAM: CodeInfo(
+        _W, "stale optimizer param",
+        "Rebuild the optimizer after replacing modules, so it holds the parameters the model uses now."),
+    FindingCode.FROZEN_PARAMETER: CodeInfo(
+        _I, "frozen", "Expected if you froze it on purpose; otherwise call requires_grad_(True)."),
+    FindingCode.DEAD_LAYER: CodeInfo(
+        _E, "dead",
+        "Check initialisation, learning rate and the preceding normalisation; consider LeakyReLU/GELU "
+        "or a lower learning rate."),
+    FindingCode.DEAD_UNITS: CodeInfo(
+        _W, "dead units", "Check initialisation and learning rate; consider LeakyReLU/GELU."),
+    FindingCode.SATURATED: CodeInfo(
+        _W, "saturated",
+        "Normalise the input of the activation (LayerNorm/BatchNorm), lower the learning rate or rescale "
+        "the initialisation."),
+    FindingCode.NOT_UPDATING: CodeInfo(
+        _E, "not updating",
+        "Give the tensor to the optimizer (register it: nn.Parameter / nn.ModuleList) and check its "
+        "learning rate."),
+    FindingCode.GRAD_ACCUMULATING: CodeInfo(
+        _W, "grad accumulating",
+        "Zero the gradient every step: register the tensor so optimizer.zero_grad() reaches it, or call "
+        "model.zero_grad()."),
+    FindingCode.TRAINING_MODE_MISMATCH: CodeInfo(
+        _E, "mode mismatch",
+        "Register the module so model.train()/model.eval() reach it, or set its mode explicitly."),
+    FindingCode.TRAIN_MODE_UNDER_NO_GRAD: CodeInfo(
+        _W, "train mode under no_grad",
+        "Call model.eval() before validation and model.train() after it; no_grad() does not change "
+        "Dropout or BatchNorm behaviour."),
+    FindingCode.TRAIN_STEP_IN_EVAL_MODE: CodeInfo(
+        _W, "trained in eval mode",
+        "Call model.train() after validation: eval() turns Dropout off and freezes BatchNorm statistics "
+        "until train() is called again."),
+    FindingCode.EVAL_BUILDS_GRAPH: CodeInfo(
+        _I, "eval builds graph",
+        "Wrap evaluation in torch.no_grad() (or torch.inference_mode()): eval() does not stop autograd "
+        "from recording the graph."),
+    FindingCode.NON_FINITE: CodeInfo(
+        _E, "NaN/Inf",
+        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype."),
+    FindingCode.FORWARD_BYPASSED: CodeInfo(
+        _W, "forward bypassed",
+        "Call the module (module(x)), not module.forward(x): calling forward() skips every hook."),
+    FindingCode.SHARED_PARAMETER: CodeInfo(
+        _I, "shared", "Expected for tied weights; the tensor is stored once in parameters() and updated once."),
+    FindingCode.RANK_DIVERGENCE: CodeInfo(
+        _E, "ranks diverge",
+        "Change replicated state only through the DDP-wrapped model, identically on every rank; use "
+        "SyncBatchNorm or broadcast_buffers=True for buffers updated from local data."),
+    FindingCode.RANK_STRAGGLER: CodeInfo(
+        _W, "straggler",
+        "Look for uneven data (sequence lengths, sharding), a slower device or host, or work only this "
+        "rank does (logging, checkpointing, evaluation)."),
+})
+
+
+def code_label(code: str) -> str:
+    """The badge label of a finding code (the code itself for a code this version does not know)."""
+    info = CODES.get(code)
+    return info.label if info is not None else code
+
+
+# ---------------------------------------------------------------------------------- paths
+# Registered modules and tensors are named as PyTorch names them (``encoder.blocks.0.weight``; ``""`` is
+# the root). Unregistered ones carry the Python path from the root: attributes ``.name``, sequence items
+# ``[0]``, mapping items ``['key']``, set members ``{0}``. Modules executed in forward but reachable from
+# nowhere are ``<unreachable Type>`` (``<unreachable Type#k>`` for the k-th of a type) under their caller.
+ROOT_DISPLAY = "<root>"
+
+
+def display_path(path: str) -> str:
+    """A path as shown to people: the root (``""``) is ``<root>``."""
+    return path or ROOT_DISPLAY
+
+
+def attr_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def item_path(prefix: str, index: int) -> str:
+    return f"{prefix}[{index}]"
+
+
+def key_path(prefix: str, key: object, position: int) -> str:
+    """A mapping item: ``['key']`` / ``[3]`` for str and int keys, the position for any other key."""
+    label = repr(key) if isinstance(key, (str, int)) else str(position)
+    return f"{prefix}[{label}]"
+
+
+def member_path(prefix: str, position: int) -> str:
+    return f"{prefix}{{{position}}}"
+
+
+def runtime_label(type_name: str, occurrence: int) -> str:
+    """The label of the ``occurrence``-th run-time module of one type under one caller."""
+    return f"<unreachable {type_name}>" if occurrence == 0 else f"<unreachable {type_name}#{occurrence}>"
+
+
+def normalize_path(path: str) -> str:
+    """The registered spelling of a Python path, so that a run before a fix (``encoder.blocks[0]``)
+    lines up with the run after it (``encoder.blocks.0``)."""
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return re.sub(r"\[['\"]([^'\"]*)['\"]\]", r".\1", path)
+
+
+def module_path_candidates(path: str, limit: int = 64) -> list[str]:
+    """``path`` and its prefixes, longest first, ending with the root: where a finding about a tensor or
+    an optimizer entry is drawn (its longest module prefix)."""
+    out = [path]
+    p = path
+    while p and len(out) < limit:
+        cut = max(p.rfind("."), p.rfind("["))
+        p = p[:cut] if cut > 0 else ""
+        out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------------------- histograms
+# Activation histogram: fixed, signed log-spaced bin edges shared by every sample, so a heat map over time
+# needs no re-binning. Bin i counts values in [EDGES[i-1], EDGES[i]); bin 0 is (-inf, EDGES[0]) and the
+# last bin is [EDGES[-1], inf). Exact zeros have a bin of their own (between -1e-6 and 1e-6).
 _POS = [1e-6, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0]
 HIST_EDGES = [-e for e in reversed(_POS)] + _POS
 HIST_BINS = len(HIST_EDGES) + 1
+ZERO_BIN = HIST_EDGES.index(1e-6)      # the bin [-1e-6, 1e-6)
 
+# ---------------------------------------------------------------------------------- tables
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
+    value TEXT NOT NULL                -- JSON
 );
 CREATE TABLE IF NOT EXISTS ranks (
     rank            INTEGER PRIMARY KEY,
@@ -32,24 +323,26 @@ CREATE TABLE IF NOT EXISTS ranks (
     device          TEXT,
     sampling        TEXT,              -- JSON: {"every": int|null, "overhead": float|null, "window": int}
     started_at      REAL,              -- unix seconds
-    updated_at      REAL,
+    updated_at      REAL,              -- the writer's heartbeat
     closed_at       REAL,
-    status          TEXT,              -- 'running' | 'closed'
+    status          TEXT,              -- RunStatus: 'running' | 'closed' (a killed process stays 'running')
     step            INTEGER,           -- last step seen
     samples_written INTEGER NOT NULL DEFAULT 0,
     samples_dropped INTEGER NOT NULL DEFAULT 0,
     probe_errors    INTEGER NOT NULL DEFAULT 0,
-    overhead        REAL               -- measured probe time / training time (fraction)
+    overhead        REAL,              -- measured probe time / training time (fraction)
+    write_errors    INTEGER NOT NULL DEFAULT 0,   -- v2: commits that failed (disk full, I/O error)
+    last_error      TEXT               -- v2: SQLite's message for the last failed commit
 );
 CREATE TABLE IF NOT EXISTS modules (
     rank                INTEGER NOT NULL,
     module_id           INTEGER NOT NULL,
-    path                TEXT NOT NULL,     -- '' root; 'encoder.blocks[0]' unregistered; 'encoder.<unreachable Linear>' runtime
+    path                TEXT NOT NULL,     -- '' root; 'encoder.blocks[0]' unregistered; 'encoder.<unreachable Linear>'
     parent_id           INTEGER,           -- NULL for the root
     name                TEXT NOT NULL,     -- label under its parent: 'head', '0', 'blocks[0]'
     type                TEXT NOT NULL,     -- class name
     type_module         TEXT,              -- class's python module
-    kind                TEXT NOT NULL,     -- 'registered' | 'unregistered' | 'runtime'
+    kind                TEXT NOT NULL,     -- ModuleKind
     depth               INTEGER NOT NULL,
     n_children          INTEGER NOT NULL DEFAULT 0,
     params_total        INTEGER NOT NULL DEFAULT 0,   -- numbers in the subtree (each tensor once)
@@ -63,14 +356,14 @@ CREATE INDEX IF NOT EXISTS modules_by_path ON modules(rank, path);
 CREATE TABLE IF NOT EXISTS params (
     rank          INTEGER NOT NULL,
     param_id      INTEGER NOT NULL,
-    path          TEXT NOT NULL,     -- 'encoder.blocks.0.weight' registered; 'encoder.blocks[0].weight' / 'gate' otherwise
+    path          TEXT NOT NULL,     -- 'encoder.blocks.0.weight' registered; 'encoder.blocks[0].weight' / 'gate'
     module_id     INTEGER,           -- owning module (NULL if unknown)
     name          TEXT NOT NULL,     -- attribute name on its module
     shape         TEXT,              -- JSON list, NULL when uninitialised (lazy)
     numel         INTEGER NOT NULL DEFAULT 0,
     dtype         TEXT,
     device        TEXT,
-    kind          TEXT NOT NULL,     -- 'parameter' (registered) | 'buffer' (registered) | 'tensor' (unregistered tensor/Parameter)
+    kind          TEXT NOT NULL,     -- TensorKind
     requires_grad INTEGER NOT NULL,
     registered    INTEGER NOT NULL,  -- 1: registered parameter or buffer of the model
     is_parameter  INTEGER NOT NULL,  -- 1: an nn.Parameter object (registered or not)
@@ -115,21 +408,23 @@ CREATE TABLE IF NOT EXISTS module_stats (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS module_stats_by_step ON module_stats(rank, step);
 CREATE TABLE IF NOT EXISTS param_stats (
-    rank         INTEGER NOT NULL,
-    param_id     INTEGER NOT NULL,
-    step         INTEGER NOT NULL,
-    grad_norm    REAL,               -- NULL when .grad is None
-    data_norm    REAL,
-    update_norm  REAL,               -- ||w_after - w_before|| across the optimizer step
-    update_ratio REAL,               -- update_norm / data_norm
+    rank            INTEGER NOT NULL,
+    param_id        INTEGER NOT NULL,
+    step            INTEGER NOT NULL,
+    grad_norm       REAL,            -- at the optimizer step (after any all-reduce); NULL when .grad is None
+    data_norm       REAL,
+    update_norm     REAL,            -- ||w_after - w_before|| across the optimizer step
+    update_ratio    REAL,            -- update_norm / data_norm
+    local_grad_norm REAL,            -- v2: this rank's own gradient as backward produced it (before all-reduce)
+    fingerprint     REAL,            -- v2: sum of a few fixed strided values (replicas must agree on it)
     PRIMARY KEY (rank, param_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS param_stats_by_step ON param_stats(rank, step);
 CREATE TABLE IF NOT EXISTS findings (
     rank       INTEGER NOT NULL,
-    code       TEXT NOT NULL,
+    code       TEXT NOT NULL,        -- FindingCode
     path       TEXT NOT NULL,
-    severity   TEXT NOT NULL,        -- 'error' | 'warning' | 'info'
+    severity   TEXT NOT NULL,        -- Severity
     module_id  INTEGER,              -- module the finding is drawn on in the tree
     message    TEXT NOT NULL,
     fix        TEXT,
@@ -137,11 +432,14 @@ CREATE TABLE IF NOT EXISTS findings (
     first_step INTEGER,
     last_step  INTEGER,
     active     INTEGER NOT NULL,     -- 1 current, 0 resolved
+    count      INTEGER NOT NULL DEFAULT 1,   -- v2: sampled steps (or events) in which it was seen
+    cause_code TEXT,                 -- v2: the finding that explains this one (NULL: a root cause)
+    cause_path TEXT,
     PRIMARY KEY (rank, code, path)
 );
 CREATE TABLE IF NOT EXISTS probe_errors (
     rank       INTEGER NOT NULL,
-    location   TEXT NOT NULL,        -- where in modscope, e.g. 'forward-hook'
+    location   TEXT NOT NULL,        -- where in modscope, e.g. 'forward-hook', 'store-write'
     error_type TEXT NOT NULL,
     message    TEXT,
     count      INTEGER NOT NULL,
@@ -151,5 +449,124 @@ CREATE TABLE IF NOT EXISTS probe_errors (
 );
 """
 
-TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats",
-          "param_stats", "findings", "probe_errors")
+TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats", "param_stats", "findings",
+          "probe_errors")
+
+# Columns added after version 1: readers of an older store read them as NULL (or the default).
+ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
+    "ranks": (("write_errors", "0"), ("last_error", "NULL")),
+    "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL")),
+    "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
+})
+
+
+# ---------------------------------------------------------------------------------- writer health
+# Next to each store, ``<store>.status`` holds the writer's health as JSON padded to STATUS_BYTES. The
+# writer overwrites it in place (same size, no new disk blocks), so it can still say "failing" when the
+# disk is full and the store itself cannot take another commit.
+STATUS_BYTES = 1024
+
+
+class WriterState(StrEnum):
+    OK = "ok"
+    FAILING = "failing"          # commits fail now (disk full, I/O error); the writer retries
+
+
+@dataclass(frozen=True)
+class WriterStatus:
+    state: WriterState
+    updated_at: float            # unix seconds of this report
+    failing_since: float | None = None
+    error: str | None = None     # SQLite's message for the last failed commit, one line
+    failed_commits: int = 0      # since the run started
+    dropped_samples: int = 0     # since the run started (queue full or failed commits)
+
+
+def status_path(store_path: str | os.PathLike[str]) -> Path:
+    return Path(str(store_path) + STATUS_SUFFIX)
+
+
+def encode_status(status: WriterStatus) -> bytes:
+    doc = {"state": str(status.state), "updated_at": status.updated_at, "failing_since": status.failing_since,
+           "error": (status.error or "")[:600] or None, "failed_commits": status.failed_commits,
+           "dropped_samples": status.dropped_samples}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return raw.ljust(STATUS_BYTES, b" ")[:STATUS_BYTES]
+
+
+def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
+    """The writer's last health report for the store at ``store_path``, or None (no report, or one that
+    cannot be read: a status is advice, never a reason to refuse a store)."""
+    try:
+        doc = json.loads(status_path(store_path).read_bytes()[:STATUS_BYTES].decode().strip() or "null")
+        return WriterStatus(state=WriterState(doc["state"]), updated_at=float(doc["updated_at"]),
+                            failing_since=doc.get("failing_since"), error=doc.get("error"),
+                            failed_commits=int(doc.get("failed_commits") or 0),
+                            dropped_samples=int(doc.get("dropped_samples") or 0))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- snapshots
+def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> Path:
+    """A consistent single-file copy of one or more stores (the ranks of one run), never a pickle.
+
+    The first store is copied with SQLite's backup API; the rows of every further store are added in
+    one read transaction each, so each rank is copied as of one instant. The copy is in rollback-journal
+    mode (one file, no -wal) and its meta says what it was taken of and when. Written to a temporary
+    name and renamed, so ``dest`` is either the old file or the complete new one."""
+    paths = [Path(p) for p in sources]
+    if not paths:
+        raise ValueError("snapshot needs at least one store")
+    dest = Path(dest)
+    if dest.is_dir():
+        raise ValueError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    try:
+        src = sqlite3.connect(_read_only_uri(paths[0]), uri=True, timeout=30)
+        dst = sqlite3.connect(str(tmp))
+        try:
+            src.backup(dst)
+        finally:
+            src.close()
+        try:
+            dst.execute("PRAGMA journal_mode=DELETE")
+            for i, extra in enumerate(paths[1:]):
+                _merge_into(dst, extra, f"src{i}")
+            dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('snapshot_of', ?), ('snapshot_at', ?)",
+                        (json.dumps([str(p) for p in paths] if len(paths) > 1 else str(paths[0])),
+                         json.dumps(time.time())))
+            dst.commit()
+        finally:
+            dst.close()
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _read_only_uri(path: Path) -> str:
+    return f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+
+
+def _merge_into(dst: sqlite3.Connection, path: Path, alias: str) -> None:
+    """Add every row of the store at ``path`` (another rank) to ``dst``, in one read transaction."""
+    dst.execute(f"ATTACH DATABASE ? AS {alias}", (_read_only_uri(path),))
+    try:
+        dst.execute("BEGIN")
+        for table in TABLES:
+            mine = [r[1] for r in dst.execute(f"PRAGMA main.table_info({table})")]
+            theirs = {r[1] for r in dst.execute(f"PRAGMA {alias}.table_info({table})")}
+            cols = ", ".join(c for c in mine if c in theirs)
+            if not cols:
+                continue
+            verb = "INSERT OR IGNORE" if table == "meta" else "INSERT OR REPLACE"
+            dst.execute(f"{verb} INTO main.{table} ({cols}) SELECT {cols} FROM {alias}.{table}")
+        dst.execute("COMMIT")
+    finally:
+        if dst.in_transaction:
+            dst.execute("ROLLBACK")
+        dst.execute(f"DETACH DATABASE {alias}")

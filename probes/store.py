@@ -7,18 +7,15 @@ unbounded control lane so they are never dropped.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import queue
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
 
-from .schema import DDL, SCHEMA_VERSION, TABLES
-
-Op = tuple[str, Sequence[Sequence[Any]]]      # (sql, rows) for executemany
+from .records import Op
+from .schema import DDL, SCHEMA_VERSION
 
 _SENTINEL = object()
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
@@ -190,40 +187,3 @@ class StoreWriter:
             except sqlite3.Error:
                 pass
 
-
-def snapshot(store_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """A consistent single-file copy of a store (SQLite backup API, journal_mode=DELETE)."""
-    src_path, dest = Path(store_path), Path(dest)
-    if dest.exists() and dest.is_dir():
-        raise ValueError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".partial")
-    if tmp.exists():
-        tmp.unlink()
-    src = sqlite3.connect(f"file:{src_path}?mode=ro", uri=True, timeout=30)
-    dst = sqlite3.connect(str(tmp))
-    try:
-        src.backup(dst)
-        dst.execute("PRAGMA journal_mode=DELETE")
-        dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('snapshot_of', ?), ('snapshot_at', ?)",
-                    (json.dumps(str(src_path)), json.dumps(time.time())))
-        dst.commit()
-    finally:
-        dst.close()
-        src.close()
-    os.replace(tmp, dest)
-    return dest
-
-
-def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str], keep: Iterable[str] = ()) -> str:
-    """INSERT ... ON CONFLICT(key) DO UPDATE of every column but the key and ``keep``."""
-    if table not in TABLES:
-        raise ValueError(f"unknown table {table!r}")
-    cols = list(columns)
-    key = list(key)
-    fixed = set(key) | set(keep)
-    updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in fixed)
-    placeholders = ", ".join("?" for _ in cols)
-    conflict = f"ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}" if updates else \
-        f"ON CONFLICT({', '.join(key)}) DO NOTHING"
-    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({placeholders}) {conflict}"

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from .schema import ModuleKind, TensorKind, attr_path, item_path, key_path, member_path
+
 # Attributes every nn.Module carries for its own bookkeeping: never user data.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {
     "_compiled_call_impl", "call_super_init", "dump_patches", "_version",
@@ -86,7 +88,7 @@ class ModuleNode:
     name: str
     type: str
     type_module: str
-    kind: str                      # 'registered' | 'unregistered' | 'runtime'
+    kind: ModuleKind
     depth: int
     module: nn.Module | None       # dropped (set None) when the watcher closes
     aliases: list[str] = dataclasses.field(default_factory=list)
@@ -103,7 +105,7 @@ class TensorNode:
     path: str
     module_id: int | None
     name: str
-    kind: str                      # 'parameter' | 'buffer' | 'tensor'
+    kind: TensorKind
     registered: bool
     is_parameter: bool
     in_state_dict: bool
@@ -125,7 +127,7 @@ class TensorNode:
     @property
     def trainable(self) -> bool:
         """A tensor autograd can train: a Parameter or requires_grad, never a buffer."""
-        return self.kind != "buffer" and (self.requires_grad or self.is_parameter)
+        return self.kind != TensorKind.BUFFER and (self.requires_grad or self.is_parameter)
 
 
 @dataclasses.dataclass
@@ -161,10 +163,6 @@ def normalize_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return items
 
 
-def _child_path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 _CONTAINERS = (list, tuple, collections.deque, collections.abc.Mapping, set, frozenset)
 
 
@@ -193,7 +191,7 @@ class _Builder:
 
     # -- registered -------------------------------------------------------------------------
     def add_module(self, module: nn.Module, path: str, parent: ModuleNode | None, name: str,
-                   kind: str) -> ModuleNode:
+                   kind: ModuleKind) -> ModuleNode:
         cls = type(module)
         node = ModuleNode(module_id=len(self.modules), path=path,
                           parent_id=parent.module_id if parent else None, name=name,
@@ -205,7 +203,7 @@ class _Builder:
             parent.n_children += 1
         return node
 
-    def add_tensor(self, t: torch.Tensor, path: str, owner: ModuleNode | None, name: str, kind: str,
+    def add_tensor(self, t: torch.Tensor, path: str, owner: ModuleNode | None, name: str, kind: TensorKind,
                    registered: bool, in_state_dict: bool) -> TensorNode:
         node = TensorNode(
             param_id=len(self.tensors), path=path, module_id=owner.module_id if owner else None,
@@ -228,15 +226,15 @@ class _Builder:
                 continue
             parent_path, _, name = path.rpartition(".")
             parent = path_to_node.get(parent_path) if path else None
-            node = self.add_module(module, path, parent, name if path else "", "registered")
+            node = self.add_module(module, path, parent, name if path else "", ModuleKind.REGISTERED)
             path_to_node[path] = node
         for path, p in self.model.named_parameters(remove_duplicate=False):
-            self._registered_tensor(p, path, path_to_node, "parameter", True)
+            self._registered_tensor(p, path, path_to_node, TensorKind.PARAMETER, True)
         for path, b in self.model.named_buffers(remove_duplicate=False):
             mod_path, _, name = path.rpartition(".")
             owner = path_to_node.get(mod_path)
             persistent = owner is None or name not in getattr(owner.module, "_non_persistent_buffers_set", ())
-            self._registered_tensor(b, path, path_to_node, "buffer", persistent)
+            self._registered_tensor(b, path, path_to_node, TensorKind.BUFFER, persistent)
 
     def _registered_tensor(self, t, path, path_to_node, kind, in_state_dict) -> None:
         known = self.tensor_by_id.get(id(t))
@@ -261,7 +259,7 @@ class _Builder:
                 continue
             if isinstance(value, torch.Tensor) and f"{name}_orig" in registered_params:
                 continue        # torch.nn.utils.prune recomputes `name` from name_orig * mask
-            self._visit(value, _child_path(node.path, name), node, seen, 0)
+            self._visit(value, attr_path(node.path, name), node, seen, 0)
 
     def _visit(self, obj: Any, path: str, owner: ModuleNode, seen: set[int], depth: int) -> None:
         if self.walk_nodes >= MAX_WALK_NODES or depth > MAX_WALK_DEPTH:
@@ -277,21 +275,20 @@ class _Builder:
             if id(obj) in self.tensor_by_id or obj.grad_fn is not None:
                 return      # registered elsewhere, or a computed (non-leaf) value, not state
             name = path.rsplit(".", 1)[-1]
-            self.add_tensor(obj, path, owner, name, "tensor", False, False)
+            self.add_tensor(obj, path, owner, name, TensorKind.TENSOR, False, False)
             return
         if not _should_descend(obj) or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, (list, tuple, collections.deque)):
             for i, item in enumerate(obj):
-                self._visit(item, f"{path}[{i}]", owner, seen, depth + 1)
+                self._visit(item, item_path(path, i), owner, seen, depth + 1)
         elif isinstance(obj, collections.abc.Mapping):
             for i, (key, item) in enumerate(list(obj.items())):
-                label = repr(key) if isinstance(key, (str, int)) else str(i)
-                self._visit(item, f"{path}[{label}]", owner, seen, depth + 1)
+                self._visit(item, key_path(path, key, i), owner, seen, depth + 1)
         elif isinstance(obj, (set, frozenset)):
             for i, item in enumerate(obj):
-                self._visit(item, f"{path}{{{i}}}", owner, seen, depth + 1)
+                self._visit(item, member_path(path, i), owner, seen, depth + 1)
         else:
             fields: Iterable[tuple[str, Any]] = ()
             try:
@@ -304,12 +301,12 @@ class _Builder:
                 fields = ()
             for key, item in fields:
                 if not key.startswith("__"):
-                    self._visit(item, f"{path}.{key}", owner, seen, depth + 1)
+                    self._visit(item, attr_path(path, key), owner, seen, depth + 1)
 
     def _add_unregistered_module(self, module: nn.Module, path: str, owner: ModuleNode,
                                  seen: set[int]) -> None:
         name = path[len(owner.path) + 1:] if owner.path else path
-        top = self.add_module(module, path, owner, name, "unregistered")
+        top = self.add_module(module, path, owner, name, ModuleKind.UNREGISTERED)
         top.top_level_unregistered = True
         sub_nodes = {"": top}
         for sub_path, sub in module.named_modules():
@@ -319,14 +316,14 @@ class _Builder:
                 continue
             parent_path, _, sub_name = sub_path.rpartition(".")
             parent = sub_nodes.get(parent_path, top)
-            sub_nodes[sub_path] = self.add_module(sub, f"{path}.{sub_path}", parent, sub_name,
-                                                  "unregistered")
+            sub_nodes[sub_path] = self.add_module(sub, attr_path(path, sub_path), parent, sub_name,
+                                                  ModuleKind.UNREGISTERED)
         for sub_path, p in list(module.named_parameters()) + list(module.named_buffers()):
             if id(p) in self.tensor_by_id:
                 continue
             mod_path, _, tname = sub_path.rpartition(".")
             owner_node = sub_nodes.get(mod_path, top)
-            self.add_tensor(p, f"{path}.{sub_path}", owner_node, tname, "tensor", False, False)
+            self.add_tensor(p, attr_path(path, sub_path), owner_node, tname, TensorKind.TENSOR, False, False)
         for node in sub_nodes.values():
             self._walk_module_attrs(node, seen)
 
@@ -349,7 +346,7 @@ class _Builder:
         if stale:
             for s in stale:
                 for t in self.tensors:
-                    if (t.kind == "parameter" and t.requires_grad and not t.in_optimizer
+                    if (t.kind == TensorKind.PARAMETER and t.requires_grad and not t.in_optimizer
                             and t.shape == s.shape):
                         s.looks_like = t.path
                         break
@@ -358,7 +355,7 @@ class _Builder:
     # -- counts -----------------------------------------------------------------------------
     def counts(self) -> None:
         for t in self.tensors:
-            if t.module_id is None or not t.trainable and not (t.kind == "parameter"):
+            if t.module_id is None or (not t.trainable and t.kind != TensorKind.PARAMETER):
                 continue
             node = self.modules[t.module_id]
             node.params_total += t.numel

@@ -298,7 +298,8 @@ def test_failure_while_finishing_a_sample_still_ends_the_step(run_dir, monkeypat
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
-        monkeypatch.setattr(w, "_module_samples", lambda *a: 1 / 0)
+        from probes import decode
+        monkeypatch.setattr(decode, "module_samples", lambda *a: 1 / 0)
         train(model, opt, w, 4, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
         assert w.step_count == 4
         assert w.probe_errors[("finish-sample", "ZeroDivisionError")]["count"] == 2

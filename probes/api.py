@@ -1,0 +1,87 @@
+"""``probes.watch``: argument checks up front, then a :class:`~probes.watcher.Watcher`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .findings import Finding, sort_findings
+from .structural import structural_findings
+from .structure import build_structure, normalize_optimizers
+from .watcher import Watcher
+
+
+def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
+          every: int | None = None, overhead: float = 0.01, window: int = 16,
+          run_name: str | None = None) -> Watcher:
+    """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
+
+    Args:
+        model: the ``nn.Module`` whose forward you call.
+        optimizer: ``None``, an optimizer, or a list of them (GAN). Steps end at ``optimizer.step()``;
+            without one, call ``w.step()`` once per step.
+        run_dir: directory for the store; default ``./runs/<time>``.
+        every: sample every N-th step. ``None`` (default) chooses the interval from the measured cost so
+            that the average overhead stays under ``overhead``.
+        overhead: overhead budget as a fraction of step time (default 0.01 = 1%).
+        window: sampled steps in the window of the dead-unit/constant-output detectors.
+        run_name: a name shown in the dashboard (default: the run directory's name).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
+    optimizers = normalize_optimizers(optimizer)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"every must be a positive int or None, got {every!r}")
+    if every is None and (isinstance(overhead, bool) or not isinstance(overhead, (int, float))
+                          or not 0 < overhead <= 1):
+        raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if run_name is not None and not isinstance(run_name, str):
+        raise TypeError(f"run_name must be a str or None, got {type(run_name).__qualname__}: {run_name!r:.80}")
+    rank, world_size = process_rank()
+    if run_dir is None:
+        stamp = os.environ.get("TORCHELASTIC_RUN_ID") if world_size > 1 else None
+        stamp = stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        run_dir = Path("runs") / stamp
+    elif not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir must be a str, os.PathLike or None, got {type(run_dir).__qualname__}: "
+                        f"{run_dir!r:.80}")
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run_dir {str(run_dir)!r} exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"run_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
+    return Watcher(model, optimizers, run_dir, every=every, overhead=None if every else float(overhead),
+                   window=window, rank=rank, world_size=world_size, run_name=run_name or run_dir.name)
+
+
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's when initialised, else torchrun's environment."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:       # a broken distributed setup must not stop training
+        pass
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def audit(model: nn.Module, optimizer: Any = None) -> list[Finding]:
+    """Static structural audit of ``model`` (no forward pass): unregistered modules and tensors,
+    optimizer membership, stale optimizer entries, frozen and shared parameters."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
+    optimizers = normalize_optimizers(optimizer)
+    return sort_findings(structural_findings(build_structure(model, optimizers)))

@@ -1,0 +1,348 @@
+"""Step capture: the hooks of a sampled step and what they gather.
+
+Hooks exist only on sampled steps. A sampled step is armed with forward pre-hooks on the root and its
+children; its first forward attaches two global module hooks (forward pre/post, filtered to this model)
+and one gradient hook per watched trainable tensor; :meth:`StepCapture.detach` removes them all. Every
+hook body runs inside the probe guard: an exception is counted, stored and never reaches the training
+loop. The hooks only launch device work and note where its results will be (slots of one
+:class:`~probes.measure.StepMeasurements`); :mod:`probes.decode` turns the fetched values into samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import measure
+from .guard import ProbeRuntime
+from .model_index import ModelIndex
+from .runtime_modules import ForwardSightings, RuntimeModules
+from .structure import ModuleNode, is_mode_sensitive, unit_dim
+
+__all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
+
+MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
+
+OutputKey = tuple[int, int, int, tuple[int, ...]]       # id, _version, data_ptr, shape of a module output
+UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # measure.UpdateSampler.take()
+
+
+class CallRecord(NamedTuple):
+    """One measured call of a module: where its statistics are, and the modes it ran in."""
+
+    slot: int
+    order: int                  # execution order among the step's measured calls
+    training: bool
+    grad_enabled: bool
+    numel: int
+
+
+class TensorSlot(NamedTuple):
+    """Where one tensor's value is among the fetched vectors: vector ``slot``, element ``pos``."""
+
+    slot: int
+    pos: int
+
+
+@dataclasses.dataclass
+class UpdateBaseline:
+    """Sampled values of some tensors taken before an optimizer step, compared after it."""
+
+    tensor_ids: list[int]
+    taken: UpdateTaken
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """Everything gathered during one sampled step."""
+
+    measurements: measure.StepMeasurements = dataclasses.field(default_factory=measure.StepMeasurements)
+    calls: dict[int, int] = dataclasses.field(default_factory=dict)            # module id -> calls
+    rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
+    out_grads: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # module id -> grad-norm slots
+    order: int = 0
+    stack: list[int] = dataclasses.field(default_factory=list)                  # modules in a call now
+    root_training: bool | None = None
+    arrived: set[int] = dataclasses.field(default_factory=set)                  # tensors a gradient reached
+    stale: dict[int, int] = dataclasses.field(default_factory=dict)             # tensor -> slot of old .grad norm
+    grads: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
+    data: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
+    updates: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
+    post: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)       # data norm after the step
+    baselines: dict[int, UpdateBaseline] = dataclasses.field(default_factory=dict)  # optimizer -> before
+    orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
+    orphans_checked: bool = False
+    mismatch: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)  # mid -> (own, root)
+    nograd_train: list[int] = dataclasses.field(default_factory=list)
+    inference_mode: bool = False
+    sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
+    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    measured: dict[OutputKey, int] = dataclasses.field(default_factory=dict)   # output -> slot (wrappers share)
+    grad_targets: dict[OutputKey, list[int]] = dataclasses.field(default_factory=dict)
+    live: bool = False           # the real hooks are attached (after the step's first forward)
+
+    @property
+    def optimizer_stepped(self) -> bool:
+        return bool(self.updates)
+
+
+class StepCapture:
+    """Arms, runs and detaches the hooks of sampled steps. Hook bodies are bound methods (no extra
+    indirection on the hot path)."""
+
+    def __init__(self, probe: ProbeRuntime, runtime_modules: RuntimeModules,
+                 on_new_module: Callable[[ModuleNode], None], compiled: bool) -> None:
+        self.probe = probe
+        self.runtime_modules = runtime_modules
+        self.on_new_module = on_new_module
+        self.index: ModelIndex | None = None
+        self.record: StepRecord | None = None
+        self.closed = False
+        self.compiled = compiled
+        self.updates = measure.UpdateSampler()
+        self._unit_dims: dict[tuple[int, int], int] = {}
+
+    def clear(self) -> None:
+        """Drop cached views of the model's tensors (the index is being rebuilt or the watcher closes)."""
+        self.updates.clear()
+
+    def close(self) -> None:
+        self.closed = True
+        self.detach()
+        self.updates.clear()
+        self._unit_dims.clear()
+        self.index = None
+
+    def _eager(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Under torch.compile, run our hooks eagerly instead of letting dynamo trace them (which would
+        break graphs and recompile); a plain function otherwise (no wrapper cost)."""
+        if self.compiled and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+            return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+        return fn
+
+    # ====================================================================== arming and detaching
+    def arm(self, index: ModelIndex) -> None:
+        """Prepare a sampled step: only forward pre-hooks on the root and its children, which attach the
+        real hooks at the first forward of the step. Between steps (and so around other models'
+        forwards) no global hook exists."""
+        self.index = index
+        rec = self.record = StepRecord()
+        trigger = self._eager(self.on_trigger)
+        for module in index.top_level_modules():
+            rec.handles.append(module.register_forward_pre_hook(trigger))
+
+    def detach(self) -> StepRecord | None:
+        """Remove every hook of the step; returns what it gathered."""
+        rec, self.record = self.record, None
+        if rec is not None:
+            for h in rec.handles:
+                h.remove()
+            rec.handles.clear()
+        return rec
+
+    def on_trigger(self, module: nn.Module, args: Any) -> None:
+        rec, index = self.record, self.index
+        if rec is None or index is None or self.closed or rec.live:
+            return
+        with self.probe.guard("attach"):
+            for h in rec.handles:
+                h.remove()
+            rec.handles.clear()
+            rec.live = True
+            mod = torch.nn.modules.module
+            rec.handles.append(mod.register_module_forward_pre_hook(self._eager(self.on_pre_forward)))
+            rec.handles.append(mod.register_module_forward_hook(self._eager(self.on_forward)))
+            for t in index.grad_hook_targets():
+                assert t.tensor is not None
+                rec.handles.append(t.tensor.register_hook(self._eager(functools.partial(self.on_grad, t.param_id))))
+        # the global pre-hook registered just now does not run for the call in progress
+        self.on_pre_forward(module, args)
+
+    # ====================================================================== forward
+    def on_pre_forward(self, module: nn.Module, args: Any) -> None:
+        rec, index = self.record, self.index
+        if rec is None or index is None or self.closed:
+            return
+        with self.probe.guard("forward-pre-hook"):
+            mid = index.module_ids.get(id(module))
+            if mid == index.root_id:
+                rec.stack = [mid]
+                rec.root_training = module.training
+                return
+            if mid is None:
+                if not rec.stack:
+                    return            # a module of another model
+                mid, node = self.runtime_modules.discover(module, rec.stack[-1], index, rec.sightings,
+                                                          self.probe.step)
+                if node is not None:
+                    self.on_new_module(node)
+            rec.stack.append(mid)
+
+    def on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        rec, index = self.record, self.index
+        if rec is None or index is None or self.closed or not rec.stack:
+            return
+        with self.probe.guard("forward-hook"):
+            mid = index.module_ids.get(id(module))
+            if mid is None:
+                mid = self.runtime_modules.lookup(module, rec.sightings)
+                if mid is None:
+                    return
+            if mid not in rec.stack:
+                return
+            while rec.stack and rec.stack.pop() != mid:
+                pass
+            n = rec.calls.get(mid, 0)
+            rec.calls[mid] = n + 1
+            training = module.training
+            grad_on = torch.is_grad_enabled()
+            if rec.root_training is not None and mid in index.mode_relevant and training != rec.root_training:
+                rec.mismatch[mid] = (training, rec.root_training)
+            if training and not grad_on and is_mode_sensitive(module):
+                if mid not in rec.nograd_train:
+                    rec.nograd_train.append(mid)
+                rec.inference_mode = rec.inference_mode or torch.is_inference_mode_enabled()
+            if n >= MAX_CALLS_MEASURED:
+                return
+            tensors = measure.float_tensors(output)
+            x = measure.primary(tensors)
+            if x is None:
+                return
+            rec.order += 1
+            # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
+            # a child returned: measure it once and share the row
+            key: OutputKey = (id(x), x._version, x.data_ptr(), tuple(x.shape))
+            seen = rec.measured.get(key)
+            if seen is not None and not tensors[1:]:
+                rec.rows.setdefault(mid, []).append(CallRecord(seen, rec.order, training, grad_on, x.numel()))
+                if key in rec.grad_targets:
+                    rec.grad_targets[key].append(mid)
+                return
+            others = [t for t in tensors if t is not x]
+            udim = self._unit_dims.get((mid, x.dim()))
+            if udim is None:
+                udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
+            chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
+            slot = rec.measurements.add_call(chunk, layout, mid)
+            rec.measured[key] = slot
+            rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, x.numel()))
+            if grad_on and x.requires_grad:
+                rec.grad_targets[key] = [mid]
+                x.register_hook(self._eager(functools.partial(self.on_output_grad, rec, key)))
+
+    # ====================================================================== backward
+    def on_output_grad(self, rec: StepRecord, key: OutputKey, grad: torch.Tensor) -> None:
+        if rec is not self.record or self.closed:
+            return
+        with self.probe.guard("output-grad-hook"):
+            slot = rec.measurements.add(measure.norm32(grad.detach()))
+            for mid in rec.grad_targets.get(key, ()):
+                if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED:
+                    rec.out_grads.setdefault(mid, []).append(slot)
+
+    def on_grad(self, tensor_id: int, grad: torch.Tensor) -> None:
+        rec, index = self.record, self.index
+        if rec is None or index is None or self.closed:
+            return
+        with self.probe.guard("grad-hook"):
+            if tensor_id in rec.arrived:
+                return
+            rec.arrived.add(tensor_id)
+            node = index.tensors.get(tensor_id)
+            existing = node.tensor.grad if node is not None and node.tensor is not None else None
+            if existing is not None and not existing.is_sparse:
+                rec.stale[tensor_id] = rec.measurements.add(measure.norm32(existing.detach()))
+
+    # ====================================================================== optimizer steps
+    def before_optimizer_step(self, opt_index: int) -> None:
+        """Gradients are final: their norms, and the update baseline of this optimizer's tensors."""
+        rec, index = self.record, self.index
+        if rec is None or index is None:
+            return
+        if not rec.orphans_checked and not rec.updates:
+            # tensors no optimizer holds: their change across this step proves (non-)updates
+            rec.orphans_checked = True
+            orphans = index.orphan_tensors()
+            if orphans:
+                self.measure_grads(rec, orphans)
+                rec.orphan_baseline = UpdateBaseline(orphans, self.updates.take([index.tensor(t) for t in orphans]))
+        tids = index.optimizer_tensors(opt_index)
+        if not tids:
+            return
+        self.measure_grads(rec, tids)
+        rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take([index.tensor(t) for t in tids]))
+
+    def after_optimizer_step(self, opt_index: int) -> None:
+        rec = self.record
+        if rec is None:
+            return
+        baseline = rec.baselines.pop(opt_index, None)
+        if baseline is not None:
+            self.measure_updates(rec, baseline)
+
+    def finish(self) -> StepRecord:
+        """The end of a sampled step: gradients of tensors no optimizer stepped, and the change of the
+        tensors no optimizer holds. The record stays armed until :meth:`detach`."""
+        rec, index = self.record, self.index
+        assert rec is not None and index is not None
+        remaining = [t for t in index.gradient_tensors() if t not in rec.grads]
+        if remaining:
+            self.measure_grads(rec, remaining)
+        if rec.orphan_baseline is not None:
+            baseline, rec.orphan_baseline = rec.orphan_baseline, None
+            self.measure_updates(rec, baseline)
+        return rec
+
+    def measure_grads(self, rec: StepRecord, tensor_ids: list[int]) -> None:
+        index = self.index
+        assert index is not None
+        have = [t for t in tensor_ids if t not in rec.grads]
+        with_grad = []
+        for t in have:
+            g = index.tensor(t).grad
+            if g is not None and not g.is_sparse:
+                with_grad.append(t)
+        if with_grad:
+            vec = measure.norms([index.tensor(t).grad for t in with_grad])  # type: ignore[misc]
+            assert vec is not None
+            slot = rec.measurements.add(vec)
+            for pos, tid in enumerate(with_grad):
+                rec.grads[tid] = TensorSlot(slot, pos)
+        rest = [t for t in have if t not in rec.data]
+        if rest:
+            vec = measure.norms([index.tensor(t) for t in rest])
+            assert vec is not None
+            slot = rec.measurements.add(vec)
+            for pos, tid in enumerate(rest):
+                rec.data[tid] = TensorSlot(slot, pos)
+
+    def measure_updates(self, rec: StepRecord, baseline: UpdateBaseline) -> None:
+        """Sampled change across the step, plus the data norm after it (which catches a change the
+        sample missed)."""
+        index = self.index
+        assert index is not None
+        tids = baseline.tensor_ids
+        after = [index.tensor(t) for t in tids]
+        vec = self.updates.delta_norms(after, baseline.taken)
+        if vec is None:
+            return
+        slot = rec.measurements.add(vec)
+        for pos, tid in enumerate(tids):
+            rec.updates[tid] = TensorSlot(slot, pos)
+        if vec.device.type == "cpu":
+            # reading a CPU tensor costs no sync: the full-tensor check only where the sample saw no change
+            check = torch.nonzero(vec == 0).flatten().tolist()
+        else:
+            check = list(range(len(tids)))
+        if check:
+            post = measure.norms([after[pos] for pos in check])
+            assert post is not None
+            post_slot = rec.measurements.add(post)
+            for i, pos in enumerate(check):
+                rec.post[tids[pos]] = TensorSlot(post_slot, i)

@@ -1,0 +1,97 @@
+"""What every hook body shares: the probe's own clock and the log of errors caught inside modscope.
+
+``with probe.guard("forward-hook"):`` around a hook body times it and never lets a probe failure reach
+the training loop: the exception is counted, kept (and later stored) instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from types import TracebackType
+
+# re-raise probe errors instead of swallowing them (development only)
+RAISE_PROBE_ERRORS = os.environ.get("MODSCOPE_DEBUG") == "1"
+MESSAGE_LIMIT = 500
+
+
+@dataclasses.dataclass
+class ErrorEntry:
+    message: str
+    count: int
+    first_step: int
+    last_step: int
+
+
+class ErrorLog:
+    """Errors caught inside modscope, by (location, exception type)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], ErrorEntry] = {}
+        self.total = 0
+        self.dirty = False          # changed since the store last got a copy
+
+    def record(self, location: str, exc: BaseException, step: int) -> None:
+        self.record_message(location, type(exc).__name__, str(exc), step)
+
+    def record_message(self, location: str, error_type: str, message: str, step: int, count: int = 1) -> None:
+        key = (location, error_type)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = ErrorEntry("", 0, step, step)
+        entry.count += count
+        entry.last_step = step
+        entry.message = " ".join(message.split())[:MESSAGE_LIMIT]
+        self.total += count
+        self.dirty = True
+
+
+class ProbeRuntime:
+    """The probe clock (time spent inside modscope during the current step) and the error log.
+
+    The probe's own time is counted by the outermost guard only, and only since the last step
+    boundary: a guard around the end of a step (which measures its finishing work itself) must not
+    count it again into the next step."""
+
+    def __init__(self) -> None:
+        self.errors = ErrorLog()
+        self.step = 0                     # the current (unfinished) step
+        self.probe_s = 0.0                # probe time inside the current step
+        self.step_t0 = time.perf_counter()
+        self.depth = 0                    # guards entered and not yet left
+
+    def guard(self, location: str) -> Guard:
+        return Guard(self, location)
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+        self.probe_s = 0.0
+        self.step_t0 = time.perf_counter()
+
+
+class Guard:
+    """A plain class, not @contextmanager: hooks run hundreds of times per sampled step and a
+    generator-based context manager costs several times more to enter and leave."""
+
+    __slots__ = ("location", "runtime", "t0")
+
+    def __init__(self, runtime: ProbeRuntime, location: str) -> None:
+        self.runtime = runtime
+        self.location = location
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.runtime.depth += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        rt = self.runtime
+        rt.depth -= 1
+        if rt.depth == 0:
+            rt.probe_s += max(0.0, time.perf_counter() - max(self.t0, rt.step_t0))
+        if isinstance(exc, Exception):        # never let a probe failure reach the training loop
+            rt.errors.record(self.location, exc, rt.step)
+            return not RAISE_PROBE_ERRORS
+        return False

@@ -1,0 +1,241 @@
+"""The model index: everything the probes need to know about the watched model, as one immutable object.
+
+Built from the static structure walk (:mod:`probes.structure`) with ids that stay stable for the whole
+run (a head replaced mid-run keeps its module id), plus the modules discovered while forward ran
+(:mod:`probes.runtime_modules`). The detectors read it through the same named methods the hooks use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from .schema import FindingCode, TensorKind
+from .structure import (
+    ModelStructure,
+    ModuleNode,
+    TensorNode,
+    build_structure,
+    is_mode_sensitive,
+    is_uninitialized,
+    saturation_kind,
+    subtree_has_state_or_modes,
+)
+
+
+class IdRegistry:
+    """Ids by path for the whole run: a path keeps its id across rebuilds."""
+
+    def __init__(self) -> None:
+        self._modules: dict[str, int] = {}
+        self._tensors: dict[str, int] = {}
+
+    def module_id(self, path: str) -> int:
+        return self._modules.setdefault(path, len(self._modules))
+
+    def tensor_id(self, path: str) -> int:
+        return self._tensors.setdefault(path, len(self._tensors))
+
+
+def measurable(t: torch.Tensor) -> bool:
+    """A tensor whose values can be reduced: materialised, dense, floating point, not on the meta device."""
+    return not (is_uninitialized(t) or t.device.type == "meta" or t.is_sparse or not t.is_floating_point())
+
+
+ModelSignature = tuple[tuple[tuple[int, bool, bool], ...], tuple[int, ...]]
+
+
+def model_signature(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> ModelSignature:
+    """Changes when parameters are replaced, materialised (lazy), frozen or unfrozen, or when the
+    optimizers' param groups change: then the index must be rebuilt."""
+    params = tuple((id(p), is_uninitialized(p), p.requires_grad) for p in model.parameters())
+    held = tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
+    return (params, held)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIndex:
+    structure: ModelStructure
+    modules: Mapping[int, ModuleNode]          # module id -> node (static walk + run-time discoveries)
+    tensors: Mapping[int, TensorNode]          # tensor id -> node
+    module_ids: Mapping[int, int]              # id(nn.Module object) -> module id
+    paths: Mapping[str, int]                   # module path (and alias) -> module id
+    tensor_paths: Mapping[str, int]            # tensor path -> tensor id
+    root_id: int
+    owners: Mapping[int, tuple[int, ...]]      # tensor id -> every module owning it, under any name
+    mode_relevant: frozenset[int]              # modules whose .training matters
+    saturation: Mapping[int, str | None]       # module id -> 'tanh' | 'sigmoid' | None
+    bypass_exempt: frozenset[int]              # torch.nn children their parent uses functionally
+    signature: ModelSignature
+    n_optimizers: int
+
+    @classmethod
+    def empty(cls) -> ModelIndex:
+        """An index of nothing: what a closed watcher keeps, so that it holds no reference to the model."""
+        return cls(structure=ModelStructure([], [], [], False, 0), modules=MappingProxyType({}),
+                   tensors=MappingProxyType({}), module_ids=MappingProxyType({}), paths=MappingProxyType({}),
+                   tensor_paths=MappingProxyType({}), root_id=0, owners=MappingProxyType({}),
+                   mode_relevant=frozenset(), saturation=MappingProxyType({}), bypass_exempt=frozenset(),
+                   signature=((), ()), n_optimizers=0)
+
+    # -- the view the detectors read ------------------------------------------------------------
+    def module_path(self, module_id: int) -> str:
+        node = self.modules.get(module_id)
+        return node.path if node is not None else ""
+
+    def module_type(self, module_id: int) -> str:
+        node = self.modules.get(module_id)
+        return node.type if node is not None else ""
+
+    def has_module(self, module_id: int) -> bool:
+        return module_id in self.modules
+
+    def tensor_path(self, tensor_id: int) -> str:
+        return self.tensors[tensor_id].path
+
+    def tensor_module(self, tensor_id: int) -> int | None:
+        node = self.tensors.get(tensor_id)
+        return node.module_id if node is not None else None
+
+    def tensor_known(self, tensor_id: int) -> bool:
+        return tensor_id in self.tensors
+
+    def tensor_in_optimizer(self, tensor_id: int) -> bool:
+        return self.tensors[tensor_id].in_optimizer
+
+    def tensor_lr(self, tensor_id: int) -> float | None:
+        return self.tensors[tensor_id].lr
+
+    def module_for_finding(self, code: str, path: str) -> int | None:
+        """The module a finding is drawn on in the tree: the module at its path, else the owner of the
+        tensor at its path; an optimizer entry that is not part of the model is drawn on the root."""
+        mid = self.paths.get(path)
+        if mid is not None:
+            return mid
+        tid = self.tensor_paths.get(path)
+        if tid is not None:
+            return self.tensors[tid].module_id
+        return self.root_id if code == FindingCode.STALE_OPTIMIZER_PARAM else None
+
+    # -- what the hooks attach to (read live: requires_grad can change between rebuilds) ----------------
+    def top_level_modules(self) -> list[nn.Module]:
+        """The root and its direct children: a sampled step is armed with pre-hooks on them."""
+        return [n.module for n in self.structure.modules
+                if n.module is not None and (n.parent_id is None or n.parent_id == self.root_id)]
+
+    def grad_hook_targets(self) -> list[TensorNode]:
+        """Leaf tensors that receive gradients: each gets a gradient hook on a sampled step."""
+        return [t for t in self.structure.tensors
+                if t.tensor is not None and t.kind != TensorKind.BUFFER and t.tensor.requires_grad
+                and t.tensor.grad_fn is None and measurable(t.tensor)]
+
+    def optimizer_tensors(self, opt_index: int) -> list[int]:
+        return [t.param_id for t in self.structure.tensors
+                if t.opt_index == opt_index and t.tensor is not None and measurable(t.tensor)]
+
+    def orphan_tensors(self) -> list[int]:
+        """Trainable tensors no watched optimizer holds: their change across a step proves (non-)updates."""
+        return [t.param_id for t in self.structure.tensors
+                if t.opt_index is None and t.kind != TensorKind.BUFFER and t.tensor is not None
+                and t.tensor.requires_grad and measurable(t.tensor)]
+
+    def gradient_tensors(self) -> list[int]:
+        """Every tensor whose gradient is measured at the end of a step (no buffers)."""
+        return [t.param_id for t in self.structure.tensors
+                if t.tensor is not None and t.kind != TensorKind.BUFFER and measurable(t.tensor)]
+
+    def tensor(self, tensor_id: int) -> torch.Tensor:
+        t = self.tensors[tensor_id].tensor
+        assert t is not None
+        return t
+
+    # -- run-time discoveries ---------------------------------------------------------------------
+    def with_runtime(self, node: ModuleNode) -> ModelIndex:
+        """This index plus a module discovered while forward ran."""
+        modules = dict(self.modules)
+        modules[node.module_id] = node
+        paths = dict(self.paths)
+        paths.setdefault(node.path, node.module_id)
+        return dataclasses.replace(self, modules=MappingProxyType(modules), paths=MappingProxyType(paths))
+
+
+def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], ids: IdRegistry,
+                runtime_nodes: Iterable[ModuleNode] = ()) -> ModelIndex:
+    """Walk the model and give every module and tensor its run-stable id."""
+    s = build_structure(model, optimizers)
+    for node in s.modules:
+        node.module_id = ids.module_id(node.path)
+    remap = {i: n.module_id for i, n in enumerate(s.modules)}
+    for node in s.modules:
+        node.parent_id = remap.get(node.parent_id) if node.parent_id is not None else None
+    for t in s.tensors:
+        t.module_id = remap.get(t.module_id) if t.module_id is not None else None
+        t.param_id = ids.tensor_id(t.path)
+    modules = {n.module_id: n for n in s.modules}
+    for rt in runtime_nodes:
+        modules.setdefault(rt.module_id, rt)
+    paths: dict[str, int] = {}
+    for n in modules.values():
+        paths.setdefault(n.path, n.module_id)
+        for alias in n.aliases:
+            paths.setdefault(alias, n.module_id)
+    root_id = ids.module_id("")
+    live = [n for n in s.modules if n.module is not None]
+    return ModelIndex(
+        structure=s,
+        modules=MappingProxyType(modules),
+        tensors=MappingProxyType({t.param_id: t for t in s.tensors}),
+        module_ids=MappingProxyType({id(n.module): n.module_id for n in live}),
+        paths=MappingProxyType(paths),
+        tensor_paths=MappingProxyType({t.path: t.param_id for t in s.tensors}),
+        root_id=root_id,
+        owners=MappingProxyType(_owners(s)),
+        mode_relevant=frozenset(n.module_id for n in live if _mode_relevant(n)),
+        saturation=MappingProxyType({n.module_id: saturation_kind(n.module) for n in live if n.module is not None}),
+        bypass_exempt=frozenset(_functional_children(s, modules)),
+        signature=model_signature(model, optimizers),
+        n_optimizers=len(optimizers),
+    )
+
+
+def _mode_relevant(node: ModuleNode) -> bool:
+    """Dropout/BatchNorm-like modules, and user modules with state (they may read self.training)."""
+    module = node.module
+    if module is None:
+        return False
+    return is_mode_sensitive(module) or (not node.type_module.startswith("torch.")
+                                         and subtree_has_state_or_modes(module))
+
+
+def _owners(s: ModelStructure) -> dict[int, tuple[int, ...]]:
+    """Every module that owns a tensor, under any of its names (tied weights)."""
+    by_path = {n.path: n.module_id for n in s.modules}
+    for n in s.modules:
+        for a in n.aliases:
+            by_path.setdefault(a, n.module_id)
+    owners: dict[int, tuple[int, ...]] = {}
+    for t in s.tensors:
+        mids = [t.module_id] if t.module_id is not None else []
+        for alias in t.aliases:
+            mid = by_path.get(alias.rpartition(".")[0])
+            if mid is not None and mid not in mids:
+                mids.append(mid)
+        owners[t.param_id] = tuple(mids)
+    return owners
+
+
+def _functional_children(s: ModelStructure, modules: Mapping[int, ModuleNode]) -> set[int]:
+    """Modules whose torch.nn parent uses their parameters functionally (MultiheadAttention's
+    out_proj): not calling them is by design, not a bypass."""
+    out = set()
+    for n in s.modules:
+        if n.parent_id is None:
+            continue
+        parent = modules.get(n.parent_id)
+        if parent is not None and parent.type_module.startswith("torch.nn"):
+            out.add(n.module_id)
+    return out
