@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .findings import Finding, sort_findings
+from .rundir import agree_run_id
 from .structural import structural_findings
 from .structure import build_structure, normalize_optimizers
 from .watcher import Watcher
@@ -24,7 +24,8 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         model: the ``nn.Module`` whose forward you call.
         optimizer: ``None``, an optimizer, or a list of them (GAN). Steps end at ``optimizer.step()``;
             without one, call ``w.step()`` once per step.
-        run_dir: directory for the store; default ``./runs/<time>``.
+        run_dir: the run directory; default ``./runs/<run id>``. Every ``watch()`` is a run of its own, with
+            its own store in the directory (``modscope-<run id>-rank<R>.sqlite``): earlier runs stay apart.
         every: sample every N-th step. ``None`` (default) chooses the interval from the measured cost so
             that the average overhead stays under ``overhead``.
         overhead: overhead budget as a fraction of step time (default 0.01 = 1%).
@@ -43,15 +44,12 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise ValueError(f"window must be a positive int, got {window!r}")
     if run_name is not None and not isinstance(run_name, str):
         raise TypeError(f"run_name must be a str or None, got {type(run_name).__qualname__}: {run_name!r:.80}")
-    rank, world_size = process_rank()
-    if run_dir is None:
-        stamp = os.environ.get("TORCHELASTIC_RUN_ID") if world_size > 1 else None
-        stamp = stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        run_dir = Path("runs") / stamp
-    elif not isinstance(run_dir, (str, os.PathLike)):
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be a str, os.PathLike or None, got {type(run_dir).__qualname__}: "
                         f"{run_dir!r:.80}")
-    run_dir = Path(run_dir)
+    rank, world_size = process_rank()
+    run_id = agree_run_id(rank, world_size)
+    run_dir = Path("runs") / run_id if run_dir is None else Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run_dir {str(run_dir)!r} exists and is not a directory")
     try:
@@ -60,7 +58,7 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise ValueError(f"run_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
-    return Watcher(model, optimizers, run_dir, every=every, overhead=None if every else float(overhead),
+    return Watcher(model, optimizers, run_dir, run_id=run_id, every=every, overhead=None if every else float(overhead),
                    window=window, rank=rank, world_size=world_size, run_name=run_name or run_dir.name)
 
 

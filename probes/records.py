@@ -80,10 +80,13 @@ def rank_ops(info: dict[str, Any]) -> list[Op]:
 
 
 def rank_counters_op(rank: int, step: int, now: float, written: int, dropped: int, errors: int,
-                     overhead: float | None, status: str = "running", closed_at: float | None = None) -> Op:
+                     overhead: float | None, status: str, closed_at: float | None, write_errors: int,
+                     last_error: str | None) -> Op:
     sql = ("UPDATE ranks SET step=?, updated_at=?, samples_written=?, samples_dropped=?, probe_errors=?, "
-           "overhead=COALESCE(?, overhead), status=?, closed_at=COALESCE(?, closed_at) WHERE rank=?")
-    return (sql, [(step, now, written, dropped, errors, finite_or_none(overhead), status, closed_at, rank)])
+           "overhead=COALESCE(?, overhead), status=?, closed_at=COALESCE(?, closed_at), write_errors=?, "
+           "last_error=COALESCE(?, last_error) WHERE rank=?")
+    return (sql, [(step, now, written, dropped, errors, finite_or_none(overhead), str(status), closed_at,
+                   write_errors, last_error, rank)])
 
 
 def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[TensorNode],

@@ -1,12 +1,19 @@
-"""The run store: one SQLite file (WAL) written by one background thread.
+"""The run store: one SQLite file per (run, rank), written by one background thread.
 
-Training threads only enqueue ready-made SQL operations; they never touch the disk. A full
-queue drops samples (counted). Structure, findings and errors go through a separate
-unbounded control lane so they are never dropped.
+Training threads only enqueue ready-made SQL operations; they never touch the disk. A full queue drops
+samples (counted). Structure, findings and errors go through a separate unbounded control lane so they
+are never dropped by a full queue.
+
+A commit that fails (disk full, I/O error) is counted (``write_errors``, ``last_error``; the samples in it
+as dropped) and reported in ``<store>.status``, which is overwritten in place so that it can still be
+written on a full disk. The writer keeps retrying; once a commit succeeds again it bumps ``recoveries``,
+and the watcher writes the structure and the current findings again (what the failed commits held).
 """
+
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import sqlite3
@@ -15,67 +22,148 @@ import time
 from pathlib import Path
 
 from .records import Op
-from .schema import DDL, SCHEMA_VERSION
+from .schema import DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 
-_SENTINEL = object()
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
 WAKE_AT = 64              # queued items that wake the writer early
+RETRY_INTERVAL = 1.0      # seconds between commit attempts while commits fail
+STATUS_INTERVAL = 5.0     # seconds between status reports while commits fail
 
 
 class StoreError(RuntimeError):
-    """A store that cannot be opened or written, with the path and the reason."""
+    """A store that cannot be opened or written, with the path and the reason (one line)."""
 
 
-def connect_writer(path: str | os.PathLike) -> sqlite3.Connection:
-    """Open (creating if needed) a store for writing: WAL, schema, version check."""
+@dataclasses.dataclass
+class _Batch:
+    """One commit: the items of several submits; ``samples`` of them were droppable."""
+
+    items: list[list[Op]] = dataclasses.field(default_factory=list)
+    samples: int = 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def connect_writer(path: str | os.PathLike[str], journal: str = "wal") -> sqlite3.Connection:
+    """Open (creating if needed) a store for writing: journal mode, schema, version check. A store that
+    cannot be created (a full disk) leaves no file behind."""
     path = Path(path)
+    existed = path.exists()
     try:
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{path}: cannot open (SQLite says: {exc})") from None
-    conn.execute("PRAGMA busy_timeout=30000")    # several ranks may share one file
-    # Ranks starting together race for the first journal-mode switch, which SQLite answers with
-    # SQLITE_BUSY at once instead of waiting: retry for a while.
+        raise StoreError(f"{path}: cannot open ({_one_line(exc)})") from None
+    # A reader that opened the file while it was being created (a dashboard started before the training)
+    # makes the journal-mode switch fail with SQLITE_BUSY at once instead of waiting: retry for a while.
     deadline = time.monotonic() + 60
-    while True:
+    try:
+        conn.execute("PRAGMA busy_timeout=30000")
+        while True:
+            try:
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise StoreError(f"{path}: written by store schema version {version}; this probes library "
+                                     f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
+                conn.execute(f"PRAGMA journal_mode={'WAL' if journal == 'wal' else 'DELETE'}")
+                conn.execute("PRAGMA synchronous=NORMAL")   # durable against a killed process; commits are atomic
+                conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+                return conn
+            except sqlite3.OperationalError as exc:
+                text = str(exc)
+                if not ("locked" in text or "busy" in text) or time.monotonic() > deadline:
+                    raise
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                time.sleep(0.05)
+    except StoreError:
+        conn.close()
+        raise
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        if not existed:
+            _remove_store_files(path)
+        text = _one_line(exc)
+        if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
+            raise StoreError(f"{path}: is locked by another process") from None
+        if "not a database" in text or "malformed" in text or "encrypted" in text:
+            raise StoreError(f"{path}: not a modscope store ({text})") from None
+        raise StoreError(f"{path}: cannot create the store ({_with_free_space(path, text)})") from None
+
+
+LOW_SPACE_BYTES = 1 << 20
+
+
+def _with_free_space(path: Path, sqlite_says: str) -> str:
+    """SQLite reports a full disk as "database or disk is full" or, when the write-ahead log cannot grow,
+    as a "disk I/O error": say which it is."""
+    try:
+        st = os.statvfs(path.parent)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return sqlite_says
+    if free < LOW_SPACE_BYTES:
+        return f"the disk is full: {free:,} bytes free; SQLite says: {sqlite_says}"
+    return sqlite_says
+
+
+def _remove_store_files(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
         try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                conn.close()
-                raise StoreError(f"{path}: written by store schema version {version}; this probes library "
-                                 f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")   # durable against a killed process; WAL commits are atomic
-            conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
-            return conn
-        except sqlite3.OperationalError as exc:
-            busy = "locked" in str(exc) or "busy" in str(exc)
-            if not busy or time.monotonic() > deadline:
-                conn.close()
-                what = "is locked by another process" if busy else f"cannot be written (SQLite says: {exc})"
-                raise StoreError(f"{path}: {what}") from None
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            time.sleep(0.05)
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            raise StoreError(f"{path}: not a modscope store (SQLite says: {exc})") from None
+            Path(str(path) + suffix).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+class StatusFile:
+    """``<store>.status``: the writer's health, written at full size once and then overwritten in place
+    (no new disk blocks), so that it can report a full disk."""
+
+    def __init__(self, store_path: Path) -> None:
+        self.path = status_path(store_path)
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            self._fd = None
+
+    def write(self, status: WriterStatus) -> bool:
+        if self._fd is None:
+            return False
+        try:
+            os.pwrite(self._fd, encode_status(status), 0)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
 
 class StoreWriter:
     """One writer thread with a bounded queue, a sentinel shutdown and an idempotent close()."""
 
-    def __init__(self, path: str | os.PathLike, max_queue: int = 512) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_queue: int = 512, journal: str = "wal") -> None:
         self.path = Path(path)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._control: collections.deque = collections.deque()
+        self.journal = journal
+        self._queue: queue.Queue[list[Op]] = queue.Queue(maxsize=max_queue)
+        self._control: collections.deque[list[Op] | threading.Event | object] = collections.deque()
         self._wake = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()
-        self.dropped = 0
-        self.written = 0
-        self.write_errors = 0
+        self.dropped = 0              # samples lost: queue full, or their commit failed
+        self.written = 0              # submits committed
+        self.write_errors = 0         # commits that failed
         self.last_error: str | None = None
+        self.recoveries = 0           # times commits succeeded again after failing
+        self.failing_since: float | None = None
+        self._status: StatusFile | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="modscope-store-writer", daemon=True)
@@ -84,9 +172,13 @@ class StoreWriter:
         if self._startup_error is not None:
             raise self._startup_error
 
+    @property
+    def failing(self) -> bool:
+        return self.failing_since is not None
+
     # -- producer side (training thread) ----------------------------------------------------
     def submit(self, ops: list[Op], droppable: bool = True) -> bool:
-        """Queue ops for one transaction. Returns False when dropped (queue full or closed)."""
+        """Queue ops for one transaction. Returns False when dropped (queue full, counted) or closed."""
         if self._closed:
             return False
         if not droppable:
@@ -103,7 +195,7 @@ class StoreWriter:
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted so far is committed (bounded wait, never hangs)."""
+        """Wait until everything submitted so far is committed or has failed (bounded wait, never hangs)."""
         if self._closed or not self._thread.is_alive():
             return False
         done = threading.Event()
@@ -123,18 +215,22 @@ class StoreWriter:
     # -- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            conn = connect_writer(self.path)
+            conn = connect_writer(self.path, self.journal)
         except BaseException as exc:      # reported to the constructor, which raises it
             self._startup_error = exc
             self._ready.set()
             return
+        self._status = StatusFile(self.path)
+        self._report()
         self._ready.set()
         stop = False
         try:
             while not stop:
-                self._wake.wait(timeout=FLUSH_INTERVAL)
+                self._wake.wait(timeout=RETRY_INTERVAL if self.failing else FLUSH_INTERVAL)
                 self._wake.clear()
-                batch: list[list[Op]] = []
+                if self.failing and not stop:
+                    time.sleep(0.05)            # do not spin on a failing disk
+                batch = _Batch()
                 events: list[threading.Event] = []
                 while self._control:
                     item = self._control.popleft()
@@ -142,48 +238,79 @@ class StoreWriter:
                         stop = True
                     elif isinstance(item, threading.Event):
                         # everything queued before the flush request must be committed with it
-                        batch.extend(self._drain())
+                        self._drain_into(batch)
                         events.append(item)
                     else:
-                        batch.append(item)
-                batch.extend(self._drain())
-                if batch:
+                        batch.items.append(item)  # type: ignore[arg-type]
+                self._drain_into(batch)
+                if batch.items:
                     self._commit(conn, batch)
                 for ev in events:
                     ev.set()
         finally:
-            batch = self._drain()
+            batch = _Batch()
+            self._drain_into(batch)
             while self._control:
                 item = self._control.popleft()
                 if isinstance(item, threading.Event):
                     item.set()
                 elif item is not _SENTINEL:
-                    batch.append(item)
-            if batch:
+                    batch.items.append(item)  # type: ignore[arg-type]
+            if batch.items:
                 self._commit(conn, batch)
             conn.close()
+            self._report()
+            if self._status is not None:
+                self._status.close()
 
-    def _drain(self) -> list[list[Op]]:
-        out = []
+    def _drain_into(self, batch: _Batch) -> None:
         while True:
             try:
-                out.append(self._queue.get_nowait())
+                batch.items.append(self._queue.get_nowait())
+                batch.samples += 1
             except queue.Empty:
-                return out
+                return
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[list[Op]]) -> None:
+    def _commit(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for ops in batch:
+            for ops in batch.items:
                 for sql, rows in ops:
-                    conn.executemany(sql, rows)
+                    self._execute(conn, sql, rows)
             conn.execute("COMMIT")
-            self.written += len(batch)
         except sqlite3.Error as exc:
-            self.write_errors += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
             try:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+            self.write_errors += 1
+            self.dropped += batch.samples
+            self.last_error = f"{type(exc).__name__}: {_with_free_space(self.path, _one_line(exc))}"
+            first = self.failing_since is None
+            if first:
+                self.failing_since = time.time()
+            if first or time.time() - self._last_report >= STATUS_INTERVAL:
+                self._report()
+            return
+        self.written += len(batch.items)
+        if self.failing_since is not None:
+            self.failing_since = None
+            self.recoveries += 1
+            self._report()
 
+    def _execute(self, conn: sqlite3.Connection, sql: str, rows: list[tuple[object, ...]]) -> None:
+        conn.executemany(sql, rows)
+
+    _last_report = 0.0
+
+    def _report(self) -> None:
+        if self._status is None:
+            return
+        self._last_report = time.time()
+        self._status.write(WriterStatus(
+            state=WriterState.FAILING if self.failing else WriterState.OK, updated_at=self._last_report,
+            failing_since=self.failing_since, error=self.last_error, failed_commits=self.write_errors,
+            dropped_samples=self.dropped))
+
+
+_SENTINEL = object()

@@ -29,14 +29,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import decode, measure, records
+from ._version import __version__
 from .capture import StepCapture, StepRecord
 from .detectors import BypassCandidate, DynamicDetectors, ModeEvents, StepEvidence
 from .findings import Finding
 from .guard import ProbeRuntime
 from .model_index import IdRegistry, ModelIndex, build_index, model_signature
+from .rundir import RunFiles, WriterLock, journal_mode
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
-from .schema import STORE_FILENAME, RunStatus, snapshot
+from .schema import RunStatus, snapshot
 from .store import StoreWriter
 from .structural import structural_findings
 from .structure import ModuleNode
@@ -50,6 +52,7 @@ THIN_EVERY = 250              # sampled steps between thinning passes (run by th
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
 MAX_PENDING_LOSSES = 64       # device losses read together (with a sampled step's copy, or at this many)
+HEARTBEAT_S = 5.0             # the store's heartbeat (ranks.updated_at) moves at least this often while training
 
 
 @dataclasses.dataclass
@@ -67,10 +70,12 @@ class Watcher:
     """Created by :func:`probes.watch`. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
-                 every: int | None, overhead: float | None, window: int, rank: int, world_size: int,
-                 run_name: str) -> None:
+                 run_id: str, every: int | None, overhead: float | None, window: int, rank: int,
+                 world_size: int, run_name: str) -> None:
+        self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
-        self.store_path = run_dir / STORE_FILENAME
+        self.run_id = run_id
+        self.store_path = self.files.store
         self.rank = rank
         self.world_size = world_size
         self.window = window
@@ -95,16 +100,31 @@ class Watcher:
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
         self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._opt_handles: list[RemovableHandle] = []
+        self._last_counters = 0.0
+        self._write_errors_logged = 0
+        self._recoveries_seen = 0
 
-        self._writer = StoreWriter(self.store_path)
+        self._lock = WriterLock(self.files)
+        self._lock.acquire()
+        journal = journal_mode(run_dir)
+        try:
+            self._writer = StoreWriter(self.store_path, journal=journal)
+        except BaseException:
+            self._lock.release()
+            self.files.status.unlink(missing_ok=True)
+            raise
         now = time.time()
-        self._writer.submit(records.meta_ops(run_name, now, {"rank_count": world_size}), droppable=False)
-        self._writer.submit(records.rank_ops({
-            "rank": rank, "world_size": world_size, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "torch_version": torch.__version__, "python_version": platform.python_version(),
-            "device": _model_device(model), "sampling": {"every": every, "overhead": overhead, "window": window},
-            "started_at": now, "updated_at": now, "status": RunStatus.RUNNING, "step": 0}), droppable=False)
+        # kept: written again if the store missed writes (a full disk)
+        self._identity_ops = [
+            *records.meta_ops(run_name, now, {"rank_count": world_size, "world_size": world_size, "run_id": run_id,
+                                              "journal_mode": journal, "modscope_version": __version__}),
+            *records.rank_ops({
+                "rank": rank, "world_size": world_size, "hostname": socket.gethostname(), "pid": os.getpid(),
+                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                "torch_version": torch.__version__, "python_version": platform.python_version(),
+                "device": _model_device(model), "sampling": {"every": every, "overhead": overhead, "window": window},
+                "started_at": now, "updated_at": now, "status": RunStatus.RUNNING, "step": 0})]
+        self._writer.submit(self._identity_ops, droppable=False)
         self._index: ModelIndex = self._rebuild(model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(functools.partial(self._on_opt_pre, oi)))
@@ -153,7 +173,7 @@ class Watcher:
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
-        written = snapshot([self.store_path], path)
+        written = snapshot(self.files.siblings() or [self.store_path], path)
         return str(written) if isinstance(path, str) else written
 
     def close(self) -> None:
@@ -170,9 +190,12 @@ class Watcher:
                 h.remove()
             self._opt_handles.clear()
             self._flush_losses()
+            if self._writer.failing:
+                self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
         finally:
             self._writer.close()
+            self._lock.release()
             with contextlib.suppress(Exception):
                 atexit.unregister(self._atexit)
             self._optimizers = []
@@ -272,7 +295,9 @@ class Watcher:
         probe_ms = self._probe.probe_s * 1e3 + (t_done - t_end) * 1e3
         self._policy.observe(step, step_ms, probe_ms, sampled)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
-        if sampled or step % 50 == 0 or self._probe.errors.dirty:
+        if sampled or self._probe.errors.dirty or time.monotonic() - self._last_counters >= HEARTBEAT_S \
+                or self._writer.recoveries != self._recoveries_seen \
+                or self._writer.write_errors != self._write_errors_logged:
             self._write_counters()
         self._stepped.clear()
         self._capture.detach()
@@ -358,10 +383,25 @@ class Watcher:
                              for (s, _), v in zip(pending, vals, strict=True)])
 
     def _write_counters(self, status: RunStatus = RunStatus.RUNNING, closed_at: float | None = None) -> None:
-        errors = self._probe.errors
-        ops = [records.rank_counters_op(self.rank, self._probe.step, time.time(), self._writer.written,
-                                        self._writer.dropped, errors.total, self._policy.overhead(),
-                                        status, closed_at)]
+        self._last_counters = time.monotonic()
+        writer, errors = self._writer, self._probe.errors
+        if writer.write_errors != self._write_errors_logged and writer.last_error:
+            # failed commits are probe errors too: counted, with SQLite's message
+            errors.record_message("store-write", writer.last_error.split(":", 1)[0], writer.last_error,
+                                  self._probe.step, count=writer.write_errors - self._write_errors_logged)
+            self._write_errors_logged = writer.write_errors
+        ops = []
+        if writer.recoveries != self._recoveries_seen:
+            # commits succeed again: write again what the failed ones held (identity, tree, findings)
+            self._recoveries_seen = writer.recoveries
+            s = self._index.structure
+            ops += [*self._identity_ops, *records.structure_ops(self.rank, s.modules, s.tensors, self._probe.step),
+                    *records.structure_ops(self.rank, self._runtime.nodes(), [], self._probe.step),
+                    *self._tracker.rewrite_ops(self._probe.step)]
+            errors.dirty = True
+        ops.append(records.rank_counters_op(self.rank, self._probe.step, time.time(), writer.written, writer.dropped,
+                                            errors.total, self._policy.overhead(), status, closed_at,
+                                            writer.write_errors, writer.last_error))
         if errors.dirty:
             ops.append(records.errors_op(self.rank, errors.entries))
             errors.dirty = False

@@ -1,4 +1,4 @@
-"""Two DDP ranks (gloo, CPU) watch their model into one shared store; every row has its rank."""
+"""Two DDP ranks (gloo, CPU) watch their model into one run directory: one store per rank, one run."""
 import sqlite3
 import sys
 from pathlib import Path
@@ -34,19 +34,24 @@ def _worker(rank: int, world: int, init_file: str, run_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_share_one_store(tmp_path):
+def test_two_ranks_write_one_run_with_a_store_each(tmp_path):
+    from probes.schema import parse_store_filename
     run_dir = tmp_path / "ddp"
     mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(run_dir)), nprocs=2, join=True)
-    con = sqlite3.connect(run_dir / "modscope.sqlite")
-    assert con.execute("SELECT rank, world_size, status FROM ranks ORDER BY rank").fetchall() == [
-        (0, 2, "closed"), (1, 2, "closed")]
-    assert con.execute("SELECT rank, COUNT(*) FROM steps GROUP BY rank").fetchall() == [(0, 5), (1, 5)]
-    for table in ("modules", "params", "module_stats", "param_stats", "findings"):
-        ranks = {r[0] for r in con.execute(f"SELECT DISTINCT rank FROM {table}")}
-        assert ranks == {0, 1}, table
-    paths = {r[0] for r in con.execute(
-        "SELECT path FROM findings WHERE rank=1 AND code='unregistered-module' AND active=1")}
-    assert paths == {"module.encoder.blocks[0]", "module.encoder.blocks[1]", "module.encoder.blocks[2]"}
+    stores = sorted(run_dir.glob("modscope-*.sqlite"))
+    names = [parse_store_filename(p.name) for p in stores]
+    assert [n.rank for n in names] == [0, 1] and names[0].run_id == names[1].run_id   # one run, agreed
+    for rank, store in enumerate(stores):
+        con = sqlite3.connect(store)
+        assert con.execute("SELECT rank, world_size, status FROM ranks").fetchall() == [(rank, 2, "closed")]
+        assert con.execute("SELECT rank, COUNT(*) FROM steps GROUP BY rank").fetchall() == [(rank, 5)]
+        for table in ("modules", "params", "module_stats", "param_stats", "findings"):
+            assert {r[0] for r in con.execute(f"SELECT DISTINCT rank FROM {table}")} == {rank}, table
+        paths = {r[0] for r in con.execute(
+            "SELECT path FROM findings WHERE code='unregistered-module' AND active=1")}
+        assert paths == {"module.encoder.blocks[0]", "module.encoder.blocks[1]", "module.encoder.blocks[2]"}
+        con.close()
+    assert not list(run_dir.glob("*.lock"))            # both writers let go of their locks
 
 
 

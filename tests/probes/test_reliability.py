@@ -135,20 +135,25 @@ def test_run_dir_that_is_a_file(tmp_path):
         probes.watch(zoo.MLP(), run_dir=f)
 
 
-def test_store_from_a_newer_schema_is_refused(tmp_path):
+def test_store_from_a_newer_schema_is_refused(tmp_path, monkeypatch):
+    from probes.schema import store_filename
     run = tmp_path / "run"
     run.mkdir()
-    con = sqlite3.connect(run / probes.STORE_FILENAME)
+    monkeypatch.setenv("MODSCOPE_RUN_ID", "newer")        # a run id given explicitly meets its old store
+    con = sqlite3.connect(run / store_filename("newer", 0))
     con.execute("PRAGMA user_version=99")
     con.close()
     with pytest.raises(RuntimeError, match=r"schema version 99"):
         probes.watch(zoo.MLP(), run_dir=run)
+    assert not list(run.glob("*.lock"))                   # the refused writer let go of its lock
 
 
-def test_corrupt_store_is_refused(tmp_path):
+def test_corrupt_store_is_refused(tmp_path, monkeypatch):
+    from probes.schema import store_filename
     run = tmp_path / "run"
     run.mkdir()
-    (run / probes.STORE_FILENAME).write_bytes(b"this is not sqlite" * 100)
+    monkeypatch.setenv("MODSCOPE_RUN_ID", "corrupt")
+    (run / store_filename("corrupt", 0)).write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(RuntimeError, match="not a modscope store"):
         probes.watch(zoo.MLP(), run_dir=run)
 

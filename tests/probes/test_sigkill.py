@@ -7,14 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-import probes
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def committed_steps(store: Path) -> int:
-    if not store.exists():
+def committed_steps(run: Path) -> int:
+    stores = list(run.glob("modscope-*.sqlite"))
+    if not stores:
         return 0
+    store = stores[0]
     try:
         con = sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)
         try:
@@ -27,23 +27,23 @@ def committed_steps(store: Path) -> int:
 
 def test_sigkill_mid_run_keeps_every_committed_step(tmp_path):
     run = tmp_path / "run"
-    store = run / probes.STORE_FILENAME
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo_train.py"), "--run-dir", str(run),
                              "--steps", "0", "--every", "1", "--delay", "0.01"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
-        while committed_steps(store) < 30:
+        while committed_steps(run) < 30:
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "the demo did not commit 30 steps in 120 s"
             time.sleep(0.1)
-        seen_before_kill = committed_steps(store)
+        seen_before_kill = committed_steps(run)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
+    (store,) = run.glob("modscope-*.sqlite")
     con = sqlite3.connect(store)        # a reader after the crash (recovers the WAL)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     steps = [r[0] for r in con.execute("SELECT step FROM steps ORDER BY step")]
