@@ -23,7 +23,7 @@ from . import measure
 from .guard import ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
-from .structure import ModuleNode, is_mode_sensitive, unit_dim
+from .structure import ModuleNode, unit_dim
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
 
@@ -78,9 +78,8 @@ class StepRecord:
     baselines: dict[int, UpdateBaseline] = dataclasses.field(default_factory=dict)  # optimizer -> before
     orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
     orphans_checked: bool = False
-    mismatch: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)  # mid -> (own, root)
-    nograd_train: list[int] = dataclasses.field(default_factory=list)
-    inference_mode: bool = False
+    modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
+    lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     measured: dict[OutputKey, int] = dataclasses.field(default_factory=dict)   # output -> slot (wrappers share)
@@ -202,12 +201,8 @@ class StepCapture:
             rec.calls[mid] = n + 1
             training = module.training
             grad_on = torch.is_grad_enabled()
-            if rec.root_training is not None and mid in index.mode_relevant and training != rec.root_training:
-                rec.mismatch[mid] = (training, rec.root_training)
-            if training and not grad_on and is_mode_sensitive(module):
-                if mid not in rec.nograd_train:
-                    rec.nograd_train.append(mid)
-                rec.inference_mode = rec.inference_mode or torch.is_inference_mode_enabled()
+            if rec.root_training is not None and mid in index.mode_relevant:
+                rec.modes[mid] = (training, rec.root_training)
             if n >= MAX_CALLS_MEASURED:
                 return
             tensors = measure.float_tensors(output)
@@ -260,8 +255,9 @@ class StepCapture:
                 rec.stale[tensor_id] = rec.measurements.add(measure.norm32(existing.detach()))
 
     # ====================================================================== optimizer steps
-    def before_optimizer_step(self, opt_index: int) -> None:
-        """Gradients are final: their norms, and the update baseline of this optimizer's tensors."""
+    def before_optimizer_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients are final: their norms, the learning rates (schedulers change them every step), and
+        the update baseline of this optimizer's tensors."""
         rec, index = self.record, self.index
         if rec is None or index is None:
             return
@@ -275,6 +271,10 @@ class StepCapture:
         tids = index.optimizer_tensors(opt_index)
         if not tids:
             return
+        groups = optimizer.param_groups
+        for tid in tids:
+            g = index.tensors[tid].opt_group
+            rec.lrs[tid] = _as_float(groups[g].get("lr")) if g is not None and g < len(groups) else None
         self.measure_grads(rec, tids)
         rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take([index.tensor(t) for t in tids]))
 
@@ -346,3 +346,10 @@ class StepCapture:
             post_slot = rec.measurements.add(post)
             for i, pos in enumerate(check):
                 rec.post[tids[pos]] = TensorSlot(post_slot, i)
+
+
+def _as_float(value: object) -> float | None:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None

@@ -59,7 +59,8 @@ def module_samples(step: int, rec: StepRecord, values: Values) -> dict[int, Modu
     return out
 
 
-def tensor_samples(step: int, rec: StepRecord, values: Values, numel_of: Callable[[int], int]) -> dict[int, TensorSample]:
+def tensor_samples(step: int, rec: StepRecord, values: Values,
+                   numel_of: Callable[[int], int]) -> dict[int, TensorSample]:
     """One sample per tensor measured in the step. The update norm measured on the sampled values is
     scaled to the whole tensor; when the sample saw no change but the data norm did, the change of the
     norm is a lower bound of the update."""
@@ -78,7 +79,7 @@ def tensor_samples(step: int, rec: StepRecord, values: Values, numel_of: Callabl
             if update == 0.0 and post is not None and data is not None and post != data:
                 update = abs(post - data)
         out[tid] = TensorSample(step=step, grad_norm=pick(rec.grads, tid), data_norm=data, update_norm=update,
-                                stale_grad_norm=stale, arrived=tid in rec.arrived)
+                                stale_grad_norm=stale, arrived=tid in rec.arrived, lr=rec.lrs.get(tid))
     return out
 
 
@@ -111,7 +112,7 @@ def moved_changes(tensors: Mapping[int, TensorSample], known: Mapping[int, int])
             continue
         moved = 1 if s.update_norm > 0 else 0
         previous = known.get(tid)
-        if previous != 1 and previous != moved:
+        if previous not in (1, moved):
             changes[tid] = max(moved, previous or 0)
     return changes
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Protocol
 
 from . import findings
 from .findings import Finding
-from .schema import display_path
 
 DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
@@ -55,13 +54,7 @@ class TensorSample:
     update_norm: float | None
     stale_grad_norm: float | None   # .grad found already non-zero when the first new gradient arrived
     arrived: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ModeEvents:
-    mismatch: Mapping[int, tuple[bool, bool]]   # module_id -> (module.training, root.training)
-    nograd_train: Sequence[int]                 # mode-sensitive modules in train mode under no_grad
-    inference_mode: bool
+    lr: float | None = None         # its param group's learning rate at the optimizer step (read live)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +75,7 @@ class ModelView(Protocol):
     def tensor_path(self, tensor_id: int) -> str: ...
     def tensor_module(self, tensor_id: int) -> int | None: ...
     def tensor_in_optimizer(self, tensor_id: int) -> bool: ...
-    def tensor_lr(self, tensor_id: int) -> float | None: ...
+    def tensor_group(self, tensor_id: int) -> tuple[int, int] | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +85,7 @@ class StepEvidence:
     step: int
     modules: Mapping[int, ModuleSample]
     tensors: Mapping[int, TensorSample]
-    modes: ModeEvents
     optimizer_stepped: bool
-    bypass: Sequence[BypassCandidate]
 
 
 class DynamicDetectors:
@@ -110,17 +101,13 @@ class DynamicDetectors:
             self.tensors.setdefault(tid, collections.deque(maxlen=self.window)).append(ts)
 
     def evaluate(self, view: ModelView, ev: StepEvidence) -> list[Finding]:
+        """The findings about states (dead units, saturation, tensors that do not update or accumulate
+        gradients) the window shows now. Events (modes, NaN/Inf, bypassed forwards) are the EventBook's."""
         out: list[Finding] = []
         out += self._activations(ev.step, view)
-        out += self._nonfinite(ev.step, view, ev.modules, ev.tensors)
         if ev.optimizer_stepped:
             out += self._not_updating(ev.step, view)
         out += self._accumulating(ev.step, view)
-        out += self._modes(ev.step, view, ev.modes)
-        for c in ev.bypass:
-            names = [display_path(view.module_path(m)) for m in c.module_ids]
-            out.append(findings.forward_bypassed(view.module_path(c.module_ids[0]), view.tensor_path(c.tensor_id),
-                                                 names, ev.step))
         return out
 
     def _activations(self, step: int, view: ModelView) -> list[Finding]:
@@ -149,39 +136,23 @@ class DynamicDetectors:
                     out.append(findings.saturated(path, typ, avg, len(sats), step))
         return out
 
-    def _nonfinite(self, step: int, view: ModelView, current: Mapping[int, ModuleSample],
-                   current_t: Mapping[int, TensorSample]) -> list[Finding]:
-        out: list[Finding] = []
-        bad = sorted((s.order, mid) for mid, s in current.items() if s.nonfinite)
-        if bad:
-            first = bad[0][1]
-            out.append(findings.non_finite_activation(view.module_path(first), current[first].nonfinite, step,
-                                                      [view.module_path(m) for _, m in bad]))
-        grads = [tid for tid, s in current_t.items()
-                 if s.grad_norm is not None and not math.isfinite(s.grad_norm) and view.tensor_known(tid)]
-        if grads:
-            tid = max(grads)          # the last tensor in forward order gets its gradient first
-            mid = view.tensor_module(tid)
-            path = view.module_path(mid) if mid is not None and view.has_module(mid) else view.tensor_path(tid)
-            if not bad or path != view.module_path(bad[0][1]):
-                out.append(findings.non_finite_gradient(path, view.tensor_path(tid), step,
-                                                        [view.tensor_path(t) for t in sorted(grads)], len(grads)))
-        return out
-
     def _not_updating(self, step: int, view: ModelView) -> list[Finding]:
         out: list[Finding] = []
         for tid, hist in self.tensors.items():
             if not view.tensor_known(tid):
                 continue
             recent = [s for s in hist if s.update_norm is not None][-NOT_UPDATING_STEPS:]
-            if len(recent) < NOT_UPDATING_STEPS or view.tensor_lr(tid) == 0.0:
+            if len(recent) < NOT_UPDATING_STEPS:
                 continue
             if all(s.arrived and s.grad_norm and math.isfinite(s.grad_norm) and s.grad_norm > 0
                    and s.update_norm == 0.0 for s in recent):
                 grad = recent[-1].grad_norm
                 assert grad is not None
+                # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
+                zero_lr = all(s.lr == 0.0 for s in recent)
                 out.append(findings.not_updating(view.tensor_path(tid), grad, [s.step for s in recent],
-                                                 view.tensor_in_optimizer(tid), step))
+                                                 view.tensor_in_optimizer(tid), step,
+                                                 view.tensor_group(tid) if zero_lr else None))
         return out
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
@@ -195,13 +166,4 @@ class DynamicDetectors:
             if all(s.stale_grad_norm is not None and s.stale_grad_norm > 0 for s in recent):
                 out.append(findings.grad_accumulating(view.tensor_path(tid), [s.stale_grad_norm for s in recent],
                                                       [s.grad_norm for s in recent], step))
-        return out
-
-    def _modes(self, step: int, view: ModelView, modes: ModeEvents) -> list[Finding]:
-        out = [findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
-                                               root_training, step)
-               for mid, (training, root_training) in modes.mismatch.items()]
-        if modes.nograd_train:
-            out.append(findings.train_mode_under_no_grad([view.module_path(m) for m in modes.nograd_train],
-                                                         modes.inference_mode, step))
         return out

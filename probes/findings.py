@@ -25,8 +25,10 @@ CODES: dict[str, tuple[str, str]] = {str(code): (str(info.severity), info.fix) f
 class Finding:
     """One problem found in a model, at one path.
 
-    ``cause`` is the ``(code, path)`` of the finding that explains this one (three layers kept in a
-    plain list are *unregistered*; that they do not update is a consequence), or None for a root cause.
+    ``step`` is the last step it was seen in and ``first_step`` the first; ``count`` how often it was seen
+    (sampled steps for a finding about a state, occurrences for one about an event). ``cause`` is the
+    ``(code, path)`` of the finding that explains this one (three layers kept in a plain list are
+    *unregistered*; that they do not update is a consequence), or None for a root cause.
     """
 
     code: str
@@ -37,6 +39,8 @@ class Finding:
     fix: str = ""
     step: int | None = None
     cause: tuple[str, str] | None = None
+    first_step: int | None = None
+    count: int = 1
 
     def __post_init__(self) -> None:
         if self.code not in CODE_INFO:
@@ -48,20 +52,26 @@ class Finding:
     def key(self) -> tuple[str, str]:
         return (self.code, self.path)
 
+    @property
+    def is_event(self) -> bool:
+        """About something that happened (stays until evidence of the fix), not a state re-checked each step."""
+        return CODE_INFO[self.code].event
+
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "severity": self.severity, "path": self.path, "message": self.message,
-                "evidence": dict(self.evidence), "fix": self.fix, "step": self.step,
-                "cause": list(self.cause) if self.cause else None}
+                "evidence": dict(self.evidence), "fix": self.fix, "step": self.step, "first_step": self.first_step,
+                "count": self.count, "cause": list(self.cause) if self.cause else None}
 
     def __str__(self) -> str:
         return f"[{self.severity}] {self.code} at {display_path(self.path)}: {self.message}"
 
 
 def make(code: str, path: str, message: str, evidence: dict[str, Any] | None = None,
-         severity: str | None = None, step: int | None = None, cause: tuple[str, str] | None = None) -> Finding:
+         severity: str | None = None, step: int | None = None, cause: tuple[str, str] | None = None,
+         first_step: int | None = None, count: int = 1) -> Finding:
     info = CODE_INFO[code]
     return Finding(code=str(code), severity=str(severity or info.severity), path=path, message=message,
-                   evidence=evidence or {}, fix=info.fix, step=step, cause=cause)
+                   evidence=evidence or {}, fix=info.fix, step=step, cause=cause, first_step=first_step, count=count)
 
 
 def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
@@ -133,24 +143,22 @@ def stale_optimizer_param(where: str, shape: list[int] | None, opt_index: int, g
                           "replaced": looks_like}, step=step)
 
 
-def runtime_module(path: str, type_name: str, called_from: str, *, has_state: bool, seen_before: bool,
-                   same_object: bool, numel: int, step: int | None) -> Finding:
-    """A module executed inside the model but reachable from none of its attributes."""
+def runtime_module(path: str, type_name: str, called_from: str, *, seen_before: bool, same_object: bool,
+                   numel: int, step: int | None) -> Finding:
+    """A module with parameters, buffers or modes executed inside the model but reachable from none of its
+    attributes."""
     caller = display_path(called_from)
-    if has_state and same_object:
+    if same_object:
         msg = (f"{type_name} is called inside {caller} but is not reachable from the model's attributes (held "
                "in a closure or a global): its parameters are invisible to the optimizer, state_dict(), .to() "
                "and .eval().")
-    elif has_state and seen_before:
+    elif seen_before:
         msg = (f"A new {type_name} is constructed on every forward call inside {caller}: its weights are "
                "re-initialised each call and never trained, saved or moved.")
-    elif has_state:
+    else:
         msg = (f"{type_name} with parameters runs inside {caller} but is not part of the model: the optimizer, "
                "state_dict(), .to() and .eval() miss it.")
-    else:
-        msg = (f"{type_name} is built or held outside the model and called in forward ({caller}); it has no "
-               "parameters or buffers, so this is harmless (a loss criterion built per call, for example).")
-    return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=Severity.ERROR if has_state else Severity.INFO,
+    return make(FindingCode.UNREGISTERED_MODULE, path, msg,
                 evidence={"type": type_name, "called_from": caller, "parameter_numbers": numel,
                           "same_object_each_step": same_object}, step=step)
 
@@ -186,28 +194,59 @@ def saturated(path: str, type_name: str, fraction: float, samples: int, step: in
                 evidence={"saturated_fraction": fraction, "samples": samples, "type": type_name}, step=step)
 
 
-def non_finite_activation(path: str, count: int, step: int, affected: Sequence[str]) -> Finding:
-    return make(FindingCode.NON_FINITE, path,
-                f"{display_path(path)} produced {count} NaN/Inf values in step {step}; it is the first module "
-                f"in execution order to do so ({len(affected)} modules affected).",
-                evidence={"nonfinite": count, "modules_affected": len(affected),
-                          "first_modules": list(affected[:5]), "kind": "activation"}, step=step)
+def non_finite(origin: NonFiniteOrigin, *, last_step: int, count: int, later: Sequence[str]) -> Finding:
+    """The first non-finite values of an episode, at their origin; ``later``: what later steps added."""
+    first = origin.step
+    if origin.kind == "activation":
+        what = (f"{display_path(origin.path)} produced {origin.values:,} NaN/Inf values in step {first}, the first "
+                f"module in execution order to do so ({len(origin.affected)} modules affected)")
+    elif origin.kind == "gradient":
+        what = f"The gradient of {origin.tensor} was NaN/Inf in step {first} ({len(origin.affected)} tensors affected)"
+    else:
+        what = f"The loss was {origin.values_text} in step {first}, a step whose modules were not sampled"
+    tail = (f"; non-finite values went on until step {last_step} ({count:,} observations)" if last_step != first
+            else "")
+    return make(FindingCode.NON_FINITE, origin.path, what + tail + ".",
+                evidence={"kind": origin.kind, "first_step": first, "nonfinite": origin.values,
+                          "modules_affected" if origin.kind == "activation" else "affected": len(origin.affected),
+                          "first_modules" if origin.kind == "activation" else "first": list(origin.affected[:5]),
+                          "later": list(later[:5])},
+                step=last_step, first_step=first, count=count)
 
 
-def non_finite_gradient(path: str, tensor_path: str, step: int, tensors: Sequence[str], count: int) -> Finding:
-    return make(FindingCode.NON_FINITE, path,
-                f"The gradient of {tensor_path} is NaN/Inf in step {step} ({count} tensors affected).",
-                evidence={"tensors": list(tensors[:5]), "kind": "gradient"}, step=step)
+@dataclasses.dataclass(frozen=True)
+class NonFiniteOrigin:
+    """Where an episode of non-finite values began: the first module in execution order of its first
+    step (activation), the first gradient (gradient), or the loss of an unsampled step (loss)."""
+
+    kind: str                      # 'activation' | 'gradient' | 'loss'
+    path: str                      # where it is drawn: the module ('' for the loss)
+    step: int
+    values: int = 0                # NaN/Inf count of the origin (activation)
+    affected: tuple[str, ...] = ()
+    tensor: str = ""               # gradient: the tensor
+    values_text: str = "NaN"       # loss: its value
 
 
 # ------------------------------------------------------------------------------------ parameters
-def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int) -> Finding:
-    reason = ("no watched optimizer holds it" if not in_optimizer
-              else "the optimizer holds it but did not change it")
+def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int,
+                 zero_lr_group: tuple[int, int] | None = None) -> Finding:
+    """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 in every one of ``steps``."""
+    if zero_lr_group is not None:
+        opt, group = zero_lr_group
+        where = f"param group {group}" + (f" of optimizer {opt}" if opt else "")
+        reason = f"its {where} has lr=0 in every one of them, so no optimizer step can move it"
+    elif not in_optimizer:
+        reason = "no watched optimizer holds it"
+    else:
+        reason = "the optimizer holds it but did not change it"
+    evidence: dict[str, Any] = {"grad_norm": grad_norm, "steps": list(steps), "in_optimizer": in_optimizer}
+    if zero_lr_group is not None:
+        evidence.update({"optimizer": zero_lr_group[0], "param_group": zero_lr_group[1], "lr": 0.0})
     return make(FindingCode.NOT_UPDATING, path,
                 f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                 f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
-                evidence={"grad_norm": grad_norm, "steps": list(steps), "in_optimizer": in_optimizer}, step=step)
+                evidence=evidence, step=step)
 
 
 def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms: Sequence[float | None],
@@ -219,26 +258,58 @@ def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms
                 evidence={"stale_grad_norms": list(stale_norms), "grad_norms": list(grad_norms)}, step=step)
 
 
-def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str], step: int) -> Finding:
+def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str], first_step: int, step: int,
+                     count: int) -> Finding:
     return make(FindingCode.FORWARD_BYPASSED, module_path,
                 f"{tensor_path} received a gradient in step {step}, but its module {modules[0]} was never called "
                 "through __call__ in that step: someone called .forward() directly, so hooks (pruning masks, "
-                "probes, FSDP) never ran.", evidence={"parameter": tensor_path, "modules": list(modules)},
-                step=step)
+                f"probes, FSDP) never ran (seen in {count:,} sampled step{'s' if count != 1 else ''} since step "
+                f"{first_step}).", evidence={"parameter": tensor_path, "modules": list(modules)},
+                step=step, first_step=first_step, count=count)
 
 
 # ------------------------------------------------------------------------------------ modes
-def training_mode_mismatch(path: str, type_name: str, training: bool, root_training: bool, step: int) -> Finding:
+def training_mode_mismatch(path: str, type_name: str, training: bool, root_training: bool, first_step: int,
+                           step: int, count: int) -> Finding:
     return make(FindingCode.TRAINING_MODE_MISMATCH, path,
                 f"{display_path(path)} ({type_name}) ran with training={training} while the model is in "
                 f"{'train' if root_training else 'eval'} mode: model.train()/eval() did not reach it.",
-                evidence={"module_training": training, "root_training": root_training}, step=step)
+                evidence={"module_training": training, "root_training": root_training}, step=step,
+                first_step=first_step, count=count)
 
 
-def train_mode_under_no_grad(modules: Sequence[str], inference_mode: bool, step: int) -> Finding:
+def _times(count: int) -> str:
+    return "once" if count == 1 else f"{count:,} times"
+
+
+def train_mode_under_no_grad(modules: Sequence[str], inference_mode: bool, first_step: int, step: int,
+                             count: int) -> Finding:
     ctx = "inference_mode()" if inference_mode else "no_grad()"
     return make(FindingCode.TRAIN_MODE_UNDER_NO_GRAD, "",
-                f"A forward ran under {ctx} while {len(modules)} Dropout/BatchNorm modules were in training "
-                "mode (e.g. " + ", ".join(display_path(n) for n in modules[:3]) + "): validation in train mode "
+                f"The model ran forward under {ctx} in training mode {_times(count)} (first in step {first_step}, "
+                f"last in step {step}) while {len(modules)} Dropout/BatchNorm modules were in training mode "
+                "(e.g. " + ", ".join(display_path(n) for n in modules[:3]) + "): validation in train mode "
                 "applies dropout and overwrites BatchNorm running statistics with validation data.",
-                evidence={"modules": list(modules[:20]), "count": len(modules), "context": ctx}, step=step)
+                evidence={"modules": list(modules[:20]), "modules_in_train_mode": len(modules), "context": ctx,
+                          "forwards": count},
+                step=step, first_step=first_step, count=count)
+
+
+def train_step_in_eval_mode(modules: Sequence[str], first_step: int, step: int, count: int) -> Finding:
+    return make(FindingCode.TRAIN_STEP_IN_EVAL_MODE, "",
+                f"{count:,} optimizer step{'s' if count != 1 else ''} (first {first_step}, last {step}) trained on "
+                "gradients of forwards run with the model in eval mode, while it holds "
+                f"{len(modules)} Dropout/BatchNorm modules (e.g. " + ", ".join(display_path(n) for n in modules[:3])
+                + "): dropout was off and BatchNorm used frozen running statistics. model.eval() for validation "
+                "was probably never followed by model.train().",
+                evidence={"modules": list(modules[:20]), "steps": count},
+                step=step, first_step=first_step, count=count)
+
+
+def eval_builds_graph(count: int, numel: int, first_step: int, step: int) -> Finding:
+    return make(FindingCode.EVAL_BUILDS_GRAPH, "",
+                f"The model ran forward in eval mode with gradients enabled {_times(count)} (first in step "
+                f"{first_step}, last in step {step}) and the output ({numel:,} values) was never backpropagated: "
+                "autograd recorded a graph, and kept the activations it needs, for nothing.",
+                evidence={"forwards": count, "output_numel": numel}, step=step, first_step=first_step,
+                count=count)

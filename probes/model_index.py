@@ -107,8 +107,14 @@ class ModelIndex:
     def tensor_in_optimizer(self, tensor_id: int) -> bool:
         return self.tensors[tensor_id].in_optimizer
 
-    def tensor_lr(self, tensor_id: int) -> float | None:
-        return self.tensors[tensor_id].lr
+    def tensor_group(self, tensor_id: int) -> tuple[int, int] | None:
+        t = self.tensors[tensor_id]
+        return (t.opt_index, t.opt_group) if t.opt_index is not None and t.opt_group is not None else None
+
+    def mode_sensitive_modules(self) -> list[tuple[str, nn.Module]]:
+        """Dropout/BatchNorm-like modules of the model (registered or not), with their paths."""
+        return [(n.path, n.module) for n in self.structure.modules
+                if n.module is not None and is_mode_sensitive(n.module)]
 
     def module_for_finding(self, code: str, path: str) -> int | None:
         """The module a finding is drawn on in the tree: the module at its path, else the owner of the

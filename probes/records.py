@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .schema import HIST_EDGES, SCHEMA_VERSION, TABLES
+from .schema import EVENT_CODES, HIST_EDGES, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:
     from .findings import Finding
@@ -51,7 +51,7 @@ MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "abs
               "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
 PSTAT_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm", "update_norm", "update_ratio")
 FINDING_COLS = ("rank", "code", "path", "severity", "module_id", "message", "fix", "evidence",
-                "first_step", "last_step", "active")
+                "first_step", "last_step", "active", "count", "cause_code", "cause_path")
 RANK_COLS = ("rank", "world_size", "hostname", "pid", "model_class", "torch_version", "python_version",
              "device", "sampling", "started_at", "updated_at", "status", "step")
 
@@ -134,20 +134,31 @@ def moved_op(rank: int, moved: Mapping[int, int]) -> Op:
 _FINDING_SQL = (f"INSERT INTO findings ({', '.join(FINDING_COLS)}) VALUES ({', '.join('?' * len(FINDING_COLS))}) "
                 "ON CONFLICT(rank, code, path) DO UPDATE SET severity=excluded.severity, "
                 "module_id=excluded.module_id, message=excluded.message, fix=excluded.fix, "
-                "evidence=excluded.evidence, last_step=excluded.last_step, active=1")
+                "evidence=excluded.evidence, last_step=excluded.last_step, active=1, count=excluded.count, "
+                "cause_code=excluded.cause_code, cause_path=excluded.cause_path")
+_EVENT_CODES_SQL = ", ".join(f"'{c}'" for c in sorted(EVENT_CODES))
 
 
 def findings_ops(rank: int, changed: Iterable[TrackedFindingLike], resolved: Iterable[tuple[str, str]],
-                 step: int) -> list[Op]:
-    """Upsert the new or changed findings (first_step stays that of the first sighting), mark the
-    resolved ones inactive, and move the last step of every active one."""
-    rows = [(rank, t.finding.code, t.finding.path, t.finding.severity, t.module_id, t.finding.message,
-             t.finding.fix, _json(_clean(t.finding.evidence)), t.first_step, step, 1) for t in changed]
+                 step: int, count_states: bool) -> list[Op]:
+    """Upsert the new or changed findings (first_step stays that of the first sighting), mark the resolved
+    ones inactive and, for the evaluation of a sampled step (``count_states``), move the last step and the
+    count of every active finding about a state (an event's are its own)."""
+    rows = []
+    for t in changed:
+        f = t.finding
+        cause = f.cause or (None, None)
+        rows.append((rank, f.code, f.path, f.severity, t.module_id, f.message, f.fix, _json(_clean(f.evidence)),
+                     t.first_step, f.step if f.step is not None else step, 1, f.count, cause[0], cause[1]))
     ops: list[Op] = [(_FINDING_SQL, rows)] if rows else []
     res = [(step, rank, code, path) for code, path in resolved]
     if res:
         ops.append(("UPDATE findings SET active=0, last_step=? WHERE rank=? AND code=? AND path=?", res))
-    ops.append(("UPDATE findings SET last_step=? WHERE rank=? AND active=1", [(step, rank)]))
+    if count_states:
+        # rows written just now already say this step
+        sql = (f"UPDATE findings SET last_step=?, count=count+1 WHERE rank=? AND active=1 "
+               f"AND code NOT IN ({_EVENT_CODES_SQL}) AND last_step<?")
+        ops.append((sql, [(step, rank, step)]))
     return ops
 
 

@@ -84,8 +84,11 @@ class RuntimeModules:
         same_object = previous is not None and previous() is module
         with contextlib.suppress(TypeError):
             self._objects[key] = weakref.ref(module)
-        self._findings[node.path] = findings.runtime_module(
-            node.path, node.type, ppath, has_state=subtree_has_state_or_modes(module),
-            seen_before=previous is not None, same_object=same_object, numel=node.params_total, step=step)
+        if subtree_has_state_or_modes(module):
+            self._findings[node.path] = findings.runtime_module(
+                node.path, node.type, ppath, seen_before=previous is not None, same_object=same_object,
+                numel=node.params_total, step=step)
+        # a module with no parameters, buffers or modes built at run time (HF models build their loss
+        # criterion in forward) harms nothing: it shows in the tree, not as a finding
         seen.by_object[(id(module), tname)] = node.module_id
         return node.module_id, node if new else None

@@ -37,6 +37,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = [
     "CODES",
     "DDL",
+    "EVENT_CODES",
     "HIST_BINS",
     "HIST_EDGES",
     "LEGACY_STORE_FILENAME",
@@ -136,11 +137,16 @@ class RunStatus(StrEnum):
 
 @dataclass(frozen=True)
 class CodeInfo:
-    """A finding code: its default severity, the short label of its badge and what to do about it."""
+    """A finding code: its default severity, the short label of its badge and what to do about it.
+
+    A *state* finding holds while the evidence shows it (re-evaluated on every sampled step). An *event*
+    finding is about something that happened: it stays active, with its count and first/last step, until
+    there is evidence of the fix (or to the end of the run)."""
 
     severity: Severity
     label: str
     fix: str
+    event: bool = False
 
 
 class FindingCode(StrEnum):
@@ -204,25 +210,25 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         "model.zero_grad()."),
     FindingCode.TRAINING_MODE_MISMATCH: CodeInfo(
         _E, "mode mismatch",
-        "Register the module so model.train()/model.eval() reach it, or set its mode explicitly."),
+        "Register the module so model.train()/model.eval() reach it, or set its mode explicitly.", event=True),
     FindingCode.TRAIN_MODE_UNDER_NO_GRAD: CodeInfo(
         _W, "train mode under no_grad",
         "Call model.eval() before validation and model.train() after it; no_grad() does not change "
-        "Dropout or BatchNorm behaviour."),
+        "Dropout or BatchNorm behaviour.", event=True),
     FindingCode.TRAIN_STEP_IN_EVAL_MODE: CodeInfo(
         _W, "trained in eval mode",
         "Call model.train() after validation: eval() turns Dropout off and freezes BatchNorm statistics "
-        "until train() is called again."),
+        "until train() is called again.", event=True),
     FindingCode.EVAL_BUILDS_GRAPH: CodeInfo(
         _I, "eval builds graph",
         "Wrap evaluation in torch.no_grad() (or torch.inference_mode()): eval() does not stop autograd "
-        "from recording the graph."),
+        "from recording the graph.", event=True),
     FindingCode.NON_FINITE: CodeInfo(
         _E, "NaN/Inf",
-        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype."),
+        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype.", event=True),
     FindingCode.FORWARD_BYPASSED: CodeInfo(
         _W, "forward bypassed",
-        "Call the module (module(x)), not module.forward(x): calling forward() skips every hook."),
+        "Call the module (module(x)), not module.forward(x): calling forward() skips every hook.", event=True),
     FindingCode.SHARED_PARAMETER: CodeInfo(
         _I, "shared", "Expected for tied weights; the tensor is stored once in parameters() and updated once."),
     FindingCode.RANK_DIVERGENCE: CodeInfo(
@@ -234,6 +240,9 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         "Look for uneven data (sequence lengths, sharding), a slower device or host, or work only this "
         "rank does (logging, checkpointing, evaluation)."),
 })
+
+
+EVENT_CODES = frozenset(code for code, info in CODES.items() if info.event)
 
 
 def code_label(code: str) -> str:

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import platform
 import socket
@@ -31,7 +32,9 @@ from torch.utils.hooks import RemovableHandle
 from . import decode, measure, records
 from ._version import __version__
 from .capture import StepCapture, StepRecord
-from .detectors import BypassCandidate, DynamicDetectors, ModeEvents, StepEvidence
+from .causes import assign_causes
+from .detectors import BypassCandidate, DynamicDetectors, StepEvidence
+from .events import EventBook, SampledEvents
 from .findings import Finding
 from .guard import ProbeRuntime
 from .model_index import IdRegistry, ModelIndex, build_index, model_signature
@@ -39,6 +42,7 @@ from .rundir import RunFiles, WriterLock, journal_mode
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
 from .schema import RunStatus, snapshot
+from .sentinels import RootSentinel
 from .store import StoreWriter
 from .structural import structural_findings
 from .structure import ModuleNode
@@ -92,6 +96,9 @@ class Watcher:
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, _is_compiled(model))
         self._static: list[Finding] = []
+        self._dynamic: list[Finding] = []             # the detectors' view at the last sampled step
+        self._events = EventBook()
+        self._sentinel = RootSentinel(self._probe)
         self._moved: dict[int, int] = {}
         self._stepped: set[int] = set()
         self._sample_index = 0
@@ -126,6 +133,7 @@ class Watcher:
                 "started_at": now, "updated_at": now, "status": RunStatus.RUNNING, "step": 0})]
         self._writer.submit(self._identity_ops, droppable=False)
         self._index: ModelIndex = self._rebuild(model)
+        self._sentinel.attach(model, model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(functools.partial(self._on_opt_pre, oi)))
             self._opt_handles.append(opt.register_step_post_hook(functools.partial(self._on_opt_post, oi)))
@@ -157,9 +165,11 @@ class Watcher:
             self._end_step()
 
     def findings(self) -> list[Finding]:
-        """The current findings, most severe first."""
+        """The current findings, most severe first (the step in progress included: a validation pass after
+        the last optimizer step counts)."""
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
+            self._preview_step()
         return self._tracker.active()
 
     def snapshot(self, path: str | os.PathLike[str]) -> str | Path:
@@ -170,6 +180,7 @@ class Watcher:
         if not self._closed:
             if threading.get_ident() == self._thread:
                 self._complete_unread(force=True)
+                self._preview_step()
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
@@ -190,6 +201,11 @@ class Watcher:
                 h.remove()
             self._opt_handles.clear()
             self._flush_losses()
+            # the step in progress ends here: a forward after the last optimizer step is evaluated too
+            self._observe_forwards(self._probe.step, step_ended=True)
+            if self._events.changed:
+                self._publish(self._probe.step, sampled=False)
+            self._sentinel.detach()
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
@@ -240,6 +256,7 @@ class Watcher:
         self._writer.submit(records.structure_ops(self.rank, index.structure.modules, index.structure.tensors, step),
                             droppable=False)
         self._capture.index = index
+        self._sentinel.mode_sensitive = index.mode_sensitive_modules()
         return index
 
     def _on_new_module(self, node: ModuleNode) -> None:
@@ -266,7 +283,7 @@ class Watcher:
         if self._capture.record is None:
             return
         with self._probe.guard("optimizer-pre-hook"):
-            self._capture.before_optimizer_step(opt_index)
+            self._capture.before_optimizer_step(opt_index, optimizer)
 
     def _on_opt_post(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
@@ -285,6 +302,8 @@ class Watcher:
         sampled = self._capture.record is not None
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
+        with self._probe.guard("step-sentinels"):
+            self._observe_forwards(step, step_ended=True)
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
@@ -293,6 +312,9 @@ class Watcher:
         # with unsampled steps); the probe's own time: hooks during the step plus finishing
         step_ms = (t_done - self._probe.step_t0) * 1e3
         probe_ms = self._probe.probe_s * 1e3 + (t_done - t_end) * 1e3
+        if self._events.changed:                  # an event on a step whose sample is not read yet (or unsampled)
+            with self._probe.guard("step-sentinels"):
+                self._publish(step, sampled=False)
         self._policy.observe(step, step_ms, probe_ms, sampled)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
         if sampled or self._probe.errors.dirty or time.monotonic() - self._last_counters >= HEARTBEAT_S \
@@ -331,6 +353,8 @@ class Watcher:
         values = fetch.values(self._activity, self._sample_index)
         if loss_slots:
             now = time.time()
+            for s, slot in loss_slots:
+                self._events.observe_loss(s, values[slot][0])
             self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._recent_samples.append(step)
@@ -352,11 +376,41 @@ class Watcher:
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
         index = self._index
-        evidence = StepEvidence(step, module_samples, tensors, ModeEvents(rec.mismatch, rec.nograd_train,
-                                                                          rec.inference_mode),
-                                rec.optimizer_stepped, _bypass_candidates(rec, index))
-        current = [*self._static, *self._runtime.findings(), *self._detectors.evaluate(index, evidence)]
-        self._writer.submit(self._tracker.update(step, current, index), droppable=False)
+        bad_modules = sorted(((s.order, mid, s.nonfinite) for mid, s in module_samples.items() if s.nonfinite))
+        self._events.observe_sample(SampledEvents(
+            step=step, modes=rec.modes, called=frozenset(m for m, n in rec.calls.items() if n),
+            arrived=frozenset(rec.arrived), owners=index.owners, bypass=_bypass_candidates(rec, index),
+            bad_modules=[(mid, n) for _, mid, n in bad_modules],
+            bad_grads=sorted(t for t, ts in tensors.items() if ts.grad_norm is not None and
+                             not math.isfinite(ts.grad_norm) and index.tensor_known(t)),
+            optimizer_skipped=bool(self._optimizers) and not rec.optimizer_stepped), index)
+        self._dynamic = self._detectors.evaluate(index, StepEvidence(step, module_samples, tensors,
+                                                                     rec.optimizer_stepped))
+        self._publish(step, sampled=True)
+
+    def _publish(self, step: int, sampled: bool, events: EventBook | None = None) -> None:
+        """Findings now: structure, run-time modules, the detectors' last view and the events, each
+        consequence naming its cause; the difference goes to the store."""
+        book = events or self._events
+        index = self._index
+        current = assign_causes([*self._static, *self._runtime.findings(), *self._dynamic, *book.findings(index)])
+        self._writer.submit(self._tracker.update(step, current, index, sampled), droppable=False)
+        book.changed = False
+
+    def _observe_forwards(self, step: int, step_ended: bool, book: EventBook | None = None) -> None:
+        """Hand what the root sentinel saw since the last boundary to the event book."""
+        log = self._sentinel.take() if book is None else dataclasses.replace(self._sentinel.log)
+        if not log.empty():
+            (book or self._events).observe_forwards(step, log, [p for p, _ in self._sentinel.mode_sensitive],
+                                                    step_ended)
+
+    def _preview_step(self) -> None:
+        """Evaluate the step in progress (findings(), snapshot()) without ending it."""
+        with self._probe.guard("preview"):
+            book = self._events.copy()
+            self._observe_forwards(self._probe.step, step_ended=False, book=book)
+            if book.changed:
+                self._publish(self._probe.step, sampled=False, events=book)
 
     # ===================================================================== losses and counters
     def _record_loss(self, step: int, loss: Any) -> None:
@@ -371,6 +425,7 @@ class Watcher:
             loss = float(loss.reshape(-1)[0]) if loss.numel() else None
         elif loss is not None:
             loss = float(loss)
+        self._events.observe_loss(step, loss)
         self._writer.submit([records.loss_op(self.rank, step, time.time(), loss)])
 
     def _flush_losses(self) -> None:
@@ -378,6 +433,8 @@ class Watcher:
             return
         pending, self._pending_losses = self._pending_losses, []
         vals = torch.stack([v.reshape(-1)[0].float() for _, v in pending]).cpu().tolist()
+        for (s, _), v in zip(pending, vals, strict=True):
+            self._events.observe_loss(s, v)
         now = time.time()
         self._writer.submit([records.loss_op(self.rank, s, now, v)
                              for (s, _), v in zip(pending, vals, strict=True)])

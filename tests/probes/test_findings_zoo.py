@@ -215,7 +215,8 @@ def test_closure_module_found_at_run_time(run_dir):
     assert [(g.path, g.severity) for g in f] == [("<unreachable Linear>", "error")]
 
 
-def test_parameter_free_criterion_built_in_forward_is_info(run_dir):
+def test_parameter_free_criterion_built_in_forward_is_no_finding_but_shows_in_the_tree(run_dir):
+    """Hugging Face models build CrossEntropyLoss() inside forward: harmless, so not a finding."""
     model = zoo.CriterionInForward()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
@@ -224,8 +225,11 @@ def test_parameter_free_criterion_built_in_forward_is_info(run_dir):
             opt.zero_grad()
             loss.backward()
             opt.step()
-        f = [f for f in w.findings() if f.code == "unregistered-module"]
-    assert [(g.path, g.severity) for g in f] == [("<unreachable CrossEntropyLoss>", "info")]
+        assert w.findings() == []
+    import sqlite3
+    con = sqlite3.connect(w.store_path)
+    assert con.execute("SELECT path, kind FROM modules WHERE kind='runtime'").fetchall() == [
+        ("<unreachable CrossEntropyLoss>", "runtime")]
 
 
 def test_fresh_linear_built_each_call_is_an_error(run_dir):

@@ -1,0 +1,54 @@
+"""One bug, one card: a finding that is a consequence of another names it as its cause.
+
+Three Linear layers kept in a plain list are one bug (``unregistered-module``); that their weights do not
+update and that their gradients are never zeroed are its consequences. The rules, each from a root cause
+to what it explains:
+
+- ``unregistered-module`` at P explains ``not-updating``, ``grad-accumulating`` and
+  ``training-mode-mismatch`` at P or below it;
+- ``not-in-optimizer`` and ``unregistered-tensor`` at a tensor explain ``not-updating`` and
+  ``grad-accumulating`` of that tensor;
+- ``not-in-optimizer`` of a replacement explains the ``stale-optimizer-param`` entry of what it replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from .findings import Finding
+from .schema import FindingCode
+
+_TENSOR_CONSEQUENCES = frozenset({FindingCode.NOT_UPDATING, FindingCode.GRAD_ACCUMULATING})
+_MODULE_CONSEQUENCES = _TENSOR_CONSEQUENCES | {FindingCode.TRAINING_MODE_MISMATCH}
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith((prefix + ".", prefix + "["))
+
+
+def assign_causes(found: Iterable[Finding]) -> list[Finding]:
+    """``found`` with ``cause`` set on every finding another one explains."""
+    items = list(found)
+    unregistered = sorted((f.path for f in items if f.code == FindingCode.UNREGISTERED_MODULE and f.path),
+                          key=len, reverse=True)
+    not_in_optimizer = {f.path for f in items if f.code == FindingCode.NOT_IN_OPTIMIZER}
+    unregistered_tensors = {f.path for f in items if f.code == FindingCode.UNREGISTERED_TENSOR}
+    out = []
+    for f in items:
+        cause: tuple[str, str] | None = None
+        if f.code in _MODULE_CONSEQUENCES:
+            holder = next((p for p in unregistered if _under(f.path, p)), None)
+            if holder is not None:
+                cause = (FindingCode.UNREGISTERED_MODULE, holder)
+        if cause is None and f.code in _TENSOR_CONSEQUENCES:
+            if f.path in not_in_optimizer:
+                cause = (FindingCode.NOT_IN_OPTIMIZER, f.path)
+            elif f.path in unregistered_tensors:
+                cause = (FindingCode.UNREGISTERED_TENSOR, f.path)
+        if f.code == FindingCode.STALE_OPTIMIZER_PARAM:
+            replaced = f.evidence.get("replaced")
+            if isinstance(replaced, str) and replaced in not_in_optimizer:
+                cause = (FindingCode.NOT_IN_OPTIMIZER, replaced)
+        out.append(dataclasses.replace(f, cause=(str(cause[0]), cause[1])) if cause is not None else f)
+    return out

@@ -1,0 +1,231 @@
+"""Findings about things that happened. Each stays active, with its count and first and last step, until
+there is evidence of the fix, or to the end of the run:
+
+- train-mode-under-no-grad: the model ran forward under no_grad/inference_mode in training mode while it
+  holds Dropout/BatchNorm-like modules; fixed by a later no_grad forward in eval mode.
+- eval-builds-graph: a forward in eval mode with gradients enabled whose output was never backpropagated
+  before the step ended; fixed by a later eval forward under no_grad.
+- train-step-in-eval-mode: an optimizer step trained on gradients of eval-mode forwards while the model
+  holds Dropout/BatchNorm-like modules; fixed by a later step trained in train mode.
+- training-mode-mismatch: a module ran with a training flag other than the model's; fixed when it is seen
+  again in step with the model in that mode.
+- forward-bypassed: a module's parameters got gradients in a step its ``__call__`` never ran in; fixed
+  when they get gradients in a step the module was called in.
+- non-finite: the origin of an episode of NaN/Inf values is the first module, in execution order, of the
+  episode's first step (or the loss, when that step was not sampled); later steps of the episode add
+  evidence, never a new origin. A finding about non-finite values stays to the end of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from . import findings
+from .detectors import BypassCandidate, ModelView
+from .findings import Finding, NonFiniteOrigin
+from .schema import display_path
+from .sentinels import ForwardLog
+
+
+@dataclasses.dataclass
+class Occurrence:
+    """When something was seen: first and last step, and how often."""
+
+    first: int
+    last: int
+    count: int = 1
+
+    def again(self, step: int, times: int = 1) -> None:
+        self.last = step
+        self.count += times
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledEvents:
+    """What a sampled step showed that concerns events."""
+
+    step: int
+    modes: Mapping[int, tuple[bool, bool]]      # module id -> (its training flag, the root's) for mode-relevant ones
+    called: frozenset[int]                      # modules called through __call__
+    arrived: frozenset[int]                     # tensors a gradient reached
+    owners: Mapping[int, tuple[int, ...]]       # tensor id -> modules owning it
+    bypass: Sequence[BypassCandidate]
+    bad_modules: Sequence[tuple[int, int]]      # (module id, NaN/Inf count) in execution order
+    bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
+    optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
+
+
+class EventBook:
+    def __init__(self) -> None:
+        self.changed = False
+        self._nograd_train: Occurrence | None = None
+        self._nograd_train_modules: list[str] = []
+        self._inference_mode = False
+        self._eval_graph: Occurrence | None = None
+        self._eval_graph_numel = 0
+        self._eval_step: Occurrence | None = None
+        self._eval_step_modules: list[str] = []
+        self._mismatch: dict[int, tuple[Occurrence, bool, bool]] = {}     # mid -> (seen, own flag, root flag)
+        self._bypass: dict[int, tuple[Occurrence, tuple[int, ...]]] = {}  # tensor id -> (seen, owners)
+        self._episodes: dict[str, tuple[NonFiniteOrigin, Occurrence, list[str]]] = {}   # by origin path
+        self._open_episode: str | None = None     # the origin path of the episode going on now
+
+    def copy(self) -> EventBook:
+        """An independent copy (to preview a step in progress without counting it twice)."""
+        other = EventBook()
+        other.__dict__.update({k: _copy(v) for k, v in self.__dict__.items()})
+        return other
+
+    # -------------------------------------------------------------------------- forwards of the model
+    def observe_forwards(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str],
+                         step_ended: bool) -> None:
+        """What the root sentinel saw since the last boundary. ``step_ended``: an optimizer step (or
+        ``w.step()``) ends it, so eval forwards not backpropagated by now never will be."""
+        if log.nograd_train_forwards:
+            self._see("_nograd_train", step, log.nograd_train_forwards)
+            for path in log.nograd_train_modules:
+                if path not in self._nograd_train_modules:
+                    self._nograd_train_modules.append(path)
+            self._inference_mode = self._inference_mode or log.inference_mode
+        if log.last_nograd_training is False:        # a proper evaluation (eval() + no_grad()) after it
+            self._clear("_nograd_train")
+            self._clear("_eval_graph")
+        trained = [f for f in log.eval_graph if f.backpropagated]
+        unused = [f for f in log.eval_graph if not f.backpropagated]
+        if unused and step_ended:
+            self._see("_eval_graph", step, len(unused))
+            self._eval_graph_numel = max(self._eval_graph_numel, *(f.numel for f in unused))
+        if step_ended:
+            if trained and mode_sensitive:
+                self._see("_eval_step", step)
+                self._eval_step_modules = list(mode_sensitive)
+            elif log.train_forwards and not trained:
+                self._clear("_eval_step")
+
+    # -------------------------------------------------------------------------- the loss
+    def observe_loss(self, step: int, value: float | None) -> None:
+        if value is None:
+            return
+        if math.isfinite(value):
+            self._open_episode = None
+            return
+        if self._open_episode is not None:
+            self._continue_episode(step, "the loss")
+            return
+        self._start_episode(NonFiniteOrigin("loss", "", step, values_text=repr(value)))
+
+    # -------------------------------------------------------------------------- sampled steps
+    def observe_sample(self, ev: SampledEvents, view: ModelView) -> None:
+        step = ev.step
+        for mid, (training, root_training) in ev.modes.items():
+            seen = self._mismatch.get(mid)
+            if training != root_training:
+                if seen is None:
+                    self._mismatch[mid] = (Occurrence(step, step), training, root_training)
+                else:
+                    seen[0].again(step)
+                self.changed = True
+            elif seen is not None and seen[2] == root_training:
+                del self._mismatch[mid]                # in step with the model in that mode now
+                self.changed = True
+        for c in ev.bypass:
+            seen_b = self._bypass.get(c.tensor_id)
+            if seen_b is None:
+                self._bypass[c.tensor_id] = (Occurrence(step, step), c.module_ids)
+            else:
+                seen_b[0].again(step)
+            self.changed = True
+        flagged = {c.tensor_id for c in ev.bypass}
+        for tid in [t for t in self._bypass if t not in flagged and t in ev.arrived]:
+            if any(m in ev.called for m in ev.owners.get(tid, ())):
+                del self._bypass[tid]                 # its module was called in a step it got a gradient in
+                self.changed = True
+        grads = [] if ev.optimizer_skipped else list(ev.bad_grads)   # an AMP skip: inf gradients are expected
+        if not ev.bad_modules and not grads:
+            self._open_episode = None
+            return
+        if self._open_episode is not None:
+            self._continue_episode(step, *(view.module_path(m) for m, _ in ev.bad_modules[:3]))
+            return
+        if ev.bad_modules:
+            first, values = ev.bad_modules[0]
+            affected = tuple(view.module_path(m) for m, _ in ev.bad_modules)
+            self._start_episode(NonFiniteOrigin("activation", view.module_path(first), step, values, affected))
+        else:
+            tid = grads[-1]                           # the last tensor in forward order gets its gradient first
+            mid = view.tensor_module(tid)
+            path = view.module_path(mid) if mid is not None and view.has_module(mid) else view.tensor_path(tid)
+            self._start_episode(NonFiniteOrigin("gradient", path, step, len(grads),
+                                                tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
+
+    # -------------------------------------------------------------------------- out
+    def findings(self, view: ModelView) -> list[Finding]:
+        out: list[Finding] = []
+        if self._nograd_train is not None:
+            o = self._nograd_train
+            out.append(findings.train_mode_under_no_grad(self._nograd_train_modules, self._inference_mode, o.first,
+                                                         o.last, o.count))
+        if self._eval_graph is not None:
+            o = self._eval_graph
+            out.append(findings.eval_builds_graph(o.count, self._eval_graph_numel, o.first, o.last))
+        if self._eval_step is not None:
+            o = self._eval_step
+            out.append(findings.train_step_in_eval_mode(self._eval_step_modules, o.first, o.last, o.count))
+        for mid, (o, training, root_training) in self._mismatch.items():
+            if view.has_module(mid):
+                out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
+                                                           root_training, o.first, o.last, o.count))
+        for tid, (o, owners) in self._bypass.items():
+            if view.tensor_known(tid):
+                names = [display_path(view.module_path(m)) for m in owners]
+                out.append(findings.forward_bypassed(view.module_path(owners[0]), view.tensor_path(tid), names,
+                                                     o.first, o.last, o.count))
+        for origin, o, later in self._episodes.values():
+            out.append(findings.non_finite(origin, last_step=o.last, count=o.count, later=later))
+        return out
+
+    # -------------------------------------------------------------------------- helpers
+    def _see(self, name: str, step: int, times: int = 1) -> None:
+        seen: Occurrence | None = getattr(self, name)
+        if seen is None:
+            setattr(self, name, Occurrence(step, step, times))
+        else:
+            seen.again(step, times)
+        self.changed = True
+
+    def _clear(self, name: str) -> None:
+        if getattr(self, name) is not None:
+            setattr(self, name, None)
+            self.changed = True
+
+    def _start_episode(self, origin: NonFiniteOrigin) -> None:
+        known = self._episodes.get(origin.path)
+        if known is None:
+            self._episodes[origin.path] = (origin, Occurrence(origin.step, origin.step), [])
+        else:
+            known[1].again(origin.step)
+        self._open_episode = origin.path
+        self.changed = True
+
+    def _continue_episode(self, step: int, *where: str) -> None:
+        assert self._open_episode is not None
+        _, seen, later = self._episodes[self._open_episode]
+        seen.again(step)
+        for w in where:
+            if w not in later and w != self._open_episode:
+                later.append(display_path(w))
+        self.changed = True
+
+
+def _copy(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy(v) for v in value)
+    if isinstance(value, Occurrence):
+        return dataclasses.replace(value)
+    return value
