@@ -27,6 +27,9 @@ DEAD_UNITS = 0.25
 SATURATED = 0.5
 MIN_SAMPLES = 3
 NOT_UPDATING_STEPS = 2
+# a gradient below this fraction of the tensor's norm is numerically zero (a bias before BatchNorm): no
+# optimizer step is expected to move the tensor by it
+NEGLIGIBLE_GRAD = 1e-6
 ACCUMULATING_STEPS = 2
 
 
@@ -144,8 +147,8 @@ class DynamicDetectors:
             recent = [s for s in hist if s.update_norm is not None][-NOT_UPDATING_STEPS:]
             if len(recent) < NOT_UPDATING_STEPS:
                 continue
-            if all(s.arrived and s.grad_norm and math.isfinite(s.grad_norm) and s.grad_norm > 0
-                   and s.update_norm == 0.0 for s in recent):
+            if all(s.arrived and s.grad_norm and math.isfinite(s.grad_norm)
+                   and s.grad_norm > NEGLIGIBLE_GRAD * (s.data_norm or 0.0) and s.update_norm == 0.0 for s in recent):
                 grad = recent[-1].grad_norm
                 assert grad is not None
                 # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why

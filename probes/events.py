@@ -204,7 +204,7 @@ class EventBook:
         known = self._episodes.get(origin.path)
         if known is None:
             self._episodes[origin.path] = (origin, Occurrence(origin.step, origin.step), [])
-        else:
+        elif known[1].last != origin.step:
             known[1].again(origin.step)
         self._open_episode = origin.path
         self.changed = True
@@ -212,7 +212,8 @@ class EventBook:
     def _continue_episode(self, step: int, *where: str) -> None:
         assert self._open_episode is not None
         _, seen, later = self._episodes[self._open_episode]
-        seen.again(step)
+        if seen.last != step:                          # counted in steps: the loss and a sample of one step are one
+            seen.again(step)
         for w in where:
             if w not in later and w != self._open_episode:
                 later.append(display_path(w))
