@@ -51,7 +51,7 @@ document.addEventListener("click", function (e) {
       div.appendChild(span("tree-toggle-space"));
     }
     div.appendChild(span("tree-label mono", r.label, {"data-action": "select", "data-mid": String(r.id),
-      "title": r.path || "(root)", "role": "button", "tabindex": "0"}));
+      "title": r.path || "<root>", "role": "button", "tabindex": "0"}));
     if (r.type) { div.appendChild(span("tree-type", r.type)); }
     if (r.kind !== "registered") { div.appendChild(span("badge kind-" + r.kind, r.kind, {"title": r.kind_title})); }
     (r.badges || []).forEach(function (b) {

@@ -1,75 +1,84 @@
 """Small presentational building blocks shared by the pages (pure functions returning
-Dash components). Text is always passed as component children, which Dash renders as
-text, never as HTML."""
+Dash components or plain data). Text is always passed as component children, which Dash
+renders as text, never as HTML."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 from dash import html
 
+from probes.schema import FindingCode, ModuleKind, Severity, code_label, display_path
+
 from .figures import fmt_count, fmt_num
 
-# Short labels for the badges drawn on tree nodes.
-CODE_LABELS = MappingProxyType({
-    "unregistered-module": "unregistered",
-    "unregistered-tensor": "unregistered tensor",
-    "not-in-optimizer": "not in optimizer",
-    "stale-optimizer-param": "stale optimizer param",
-    "frozen-parameter": "frozen",
-    "dead-layer": "dead",
-    "dead-units": "dead units",
-    "saturated": "saturated",
-    "not-updating": "not updating",
-    "grad-accumulating": "grad accumulating",
-    "training-mode-mismatch": "mode mismatch",
-    "train-mode-under-no-grad": "train mode under no_grad",
-    "non-finite": "NaN/Inf",
-    "forward-bypassed": "forward bypassed",
-    "shared-parameter": "shared",
+SEVERITY_ICONS = MappingProxyType({Severity.ERROR: "●", Severity.WARNING: "▲", Severity.INFO: "■"})
+
+KIND_TITLES: MappingProxyType[str, str] = MappingProxyType({
+    ModuleKind.UNREGISTERED: "not in model.modules(): reachable through Python attributes only",
+    ModuleKind.RUNTIME: "executed in forward but not reachable through attributes",
 })
 
-SEVERITY_ICONS = MappingProxyType({"error": "●", "warning": "▲", "info": "■"})
+
+def severity_of(value: object) -> Severity:
+    """The severity a value names; info for anything this version does not know (a newer writer)."""
+    try:
+        return Severity(str(value))
+    except ValueError:
+        return Severity.INFO
 
 
-def code_label(code: str) -> str:
-    return CODE_LABELS.get(code, code)
+# -- badges: the one rule for the tree, the module detail, compare and the report ---------------------
+@dataclass(frozen=True)
+class BadgeSpec:
+    code: str
+    label: str
+    severity: Severity
+
+    def to_data(self) -> dict[str, str]:
+        """The plain data the tree's script draws (assets/modscope.js)."""
+        return {"code": self.code, "label": self.label, "sev": self.severity.value}
 
 
-def badge(code: str, severity: str) -> html.Span:
-    sev = severity if severity in SEVERITY_ICONS else "info"
-    return html.Span(code_label(code), className=f"badge sev-{sev}", title=f"{code} ({sev})")
-
-
-def finding_badges(findings: list[dict], kind: str = "registered") -> list:
-    """One badge per finding code (the kind badge already says "unregistered")."""
-    seen, out = set(), []
-    if kind != "registered":
-        seen.add("unregistered-module")
+def badge_specs(findings: Iterable[Mapping[str, Any]], kind: str = ModuleKind.REGISTERED) -> list[BadgeSpec]:
+    """One badge per finding code, in the order given (worst first, as the store returns them). A
+    module drawn as unregistered or runtime gets no 'unregistered' badge: its kind badge says it."""
+    seen: set[str] = set() if kind == ModuleKind.REGISTERED else {FindingCode.UNREGISTERED_MODULE.value}
+    out = []
     for f in findings:
-        if f["code"] in seen:
+        code = str(f["code"])
+        if code in seen:
             continue
-        seen.add(f["code"])
-        out.append(badge(f["code"], f["severity"]))
+        seen.add(code)
+        out.append(BadgeSpec(code, code_label(code), severity_of(f["severity"])))
     return out
 
 
-def kind_badge(kind: str):
-    if kind == "registered":
+def badge(spec: BadgeSpec) -> html.Span:
+    return html.Span(spec.label, className=f"badge sev-{spec.severity.value}",
+                     title=f"{spec.code} ({spec.severity.value})")
+
+
+def finding_badges(findings: Iterable[Mapping[str, Any]], kind: str = ModuleKind.REGISTERED) -> list[html.Span]:
+    return [badge(spec) for spec in badge_specs(findings, kind)]
+
+
+def kind_badge(kind: str | None) -> html.Span | None:
+    if kind is None or kind == ModuleKind.REGISTERED:
         return None
-    return html.Span(kind, className=f"badge kind-{kind}",
-                     title="not in model.modules(): reachable through Python attributes only"
-                     if kind == "unregistered" else "executed in forward but not reachable")
+    return html.Span(kind, className=f"badge kind-{kind}", title=KIND_TITLES.get(kind, ""))
 
 
-def severity_pill(severity: str, text: str | None = None) -> html.Span:
-    sev = severity if severity in SEVERITY_ICONS else "info"
-    return html.Span([SEVERITY_ICONS[sev], " ", text or sev], className=f"pill sev-{sev}")
+def severity_pill(severity: object, text: str | None = None) -> html.Span:
+    sev = severity_of(severity)
+    return html.Span([SEVERITY_ICONS[sev], " ", text or sev.value], className=f"pill sev-{sev.value}")
 
 
-def params_text(m: dict) -> str:
+def params_text(m: Mapping[str, Any]) -> str:
     total, trainable, in_opt = m.get("params_total", 0), m.get("params_trainable", 0), \
         m.get("params_in_optimizer", 0)
     if not total:
@@ -82,14 +91,14 @@ def params_text(m: dict) -> str:
     return s
 
 
-def card(label: str, value, sub=None, cls: str = "") -> html.Div:
+def card(label: str, value: Any, sub: Any = None, cls: str = "") -> html.Div:
     return html.Div([html.Div(label, className="card-label"),
                      html.Div(value, className="card-value"),
                      html.Div(sub, className="card-sub") if sub else None],
                     className=f"card {cls}".strip())
 
 
-def evidence_block(evidence) -> html.Details | None:
+def evidence_block(evidence: Any) -> html.Details | None:
     if not evidence:
         return None
     text = json.dumps(evidence, indent=2, sort_keys=True, default=str) if not isinstance(evidence, str) \
@@ -97,13 +106,13 @@ def evidence_block(evidence) -> html.Details | None:
     return html.Details([html.Summary("evidence"), html.Pre(text, className="evidence")])
 
 
-def table(headers: list[str], rows: list[list], cls: str = "") -> html.Table:
+def table(headers: list[str], rows: list[list[Any]], cls: str = "") -> html.Table:
     return html.Table([html.Thead(html.Tr([html.Th(h) for h in headers])),
                        html.Tbody([html.Tr([_td(c) for c in r]) for r in rows])],
                       className=f"table {cls}".strip())
 
 
-def _td(c):
+def _td(c: Any) -> html.Td:
     if isinstance(c, html.Td):
         return c
     if isinstance(c, (int, float)) and not isinstance(c, bool):
@@ -117,15 +126,16 @@ def message(text: str, cls: str = "muted") -> html.Div:
     return html.Div(text, className=f"message {cls}")
 
 
-def finding_card(f: dict, **attrs) -> html.Div:
+def finding_card(f: Mapping[str, Any], **attrs: Any) -> html.Div:
     """One finding: severity and code, path, steps seen, message, fix and evidence. ``attrs`` go
     to the outer Div (e.g. click attributes); its class marks severity and resolved ones."""
-    cls = f"finding sev-border-{f['severity']}" + ("" if f.get("active", 1) else " inactive")
+    sev = severity_of(f["severity"])
+    cls = f"finding sev-border-{sev.value}" + ("" if f.get("active", 1) else " inactive")
     if "className" in attrs:
         cls = f"{attrs.pop('className')} {cls}"
     return html.Div([
-        html.Div([severity_pill(f["severity"], f["code"]),
-                  html.Span(f["path"] or "(root)", className="mono path"),
+        html.Div([severity_pill(sev, f["code"]),
+                  html.Span(display_path(f["path"]), className="mono path"),
                   html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
                   html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
                   if f.get("first_step") is not None else None], className="finding-head"),

@@ -1,40 +1,59 @@
 """Data access: every SQL statement of the dashboard lives in this module.
 
-A :class:`Store` owns the connections to one run store. Live stores (a run being
-written, SQLite in WAL mode) are opened ``file:...?mode=ro``; snapshots are opened
-``?immutable=1``. Every query is parameterised, row-limited (``LIMIT``) and
-time-limited (a progress handler aborts it after ``timeout_s``).
+A :class:`Store` reads one store file (one rank's, or a snapshot; a ``Run`` of several per-rank
+files will be built on top of it). Live stores (a run being written, SQLite in WAL mode) are
+opened ``file:...?mode=ro``; snapshots ``?immutable=1``. Every query is parameterised,
+row-limited (``LIMIT``) and time-limited (a progress handler aborts it after ``timeout_s``).
 
-The page modules only call the plain-data methods below (``overview()``,
-``children()``, ``module_series()`` ...) which return dicts and lists, so they are
+What the store looks like (DDL, versions, file names, tables, finding codes and severities, path
+grammar, snapshots, the writer's health sidecar) comes from :mod:`probes.schema`, the only thing
+the dashboard imports from ``probes``. Stores of every version from ``MIN_READ_VERSION`` to
+``SCHEMA_VERSION`` are read: a column added after a store's version (``schema.ADDED_COLUMNS``)
+reads as its default.
+
+The page modules only call the plain-data methods below (``overview()``, ``children()``,
+``module_series()`` ...) which return dicts, lists and small frozen dataclasses, so they are
 testable without a browser.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import json
 import math
 import os
-import re
+import socket
 import sqlite3
+import statistics
 import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-SUPPORTED_SCHEMA_VERSION = 1
-STORE_FILENAME = "modscope.sqlite"
-REQUIRED_TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats",
-                   "param_stats", "findings", "probe_errors")
+from probes.schema import (
+    ADDED_COLUMNS,
+    LEGACY_STORE_FILENAME,
+    MIN_READ_VERSION,
+    SCHEMA_VERSION,
+    SEVERITY_ORDER,
+    TABLES,
+    ModuleKind,
+    RunStatus,
+    Severity,
+    StrEnum,
+    TensorKind,
+    WriterState,
+    module_path_candidates,
+    normalize_path,
+    parse_store_filename,
+    read_status,
+    snapshot,
+)
+
 SQLITE_HEADER = b"SQLite format 3\x00"
-
-SEVERITIES = ("error", "warning", "info")
-SEVERITY_ORDER = MappingProxyType({s: i for i, s in enumerate(SEVERITIES)})
 
 # Row limits (each query says how many rows it may return).
 MAX_CHILDREN = 500          # children of one expanded node
@@ -45,26 +64,82 @@ MAX_POINTS = 1500           # points of one time series (downsampled above that)
 MAX_HEAT_COLUMNS = 240      # columns of the histogram heat map
 MAX_COMPARE_MODULES = 20000
 MAX_KEYS = 50000
+RECENT_STEPS = 32           # steps whose median duration sets the stall threshold
+
+# A running process whose heartbeat (ranks.updated_at) is older than this is "stalled".
+STALL_MIN_S = 120.0
+STALL_STEP_FACTOR = 5.0     # ... or than this many median step times, when steps are slow
+
+Row = dict[str, Any]
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space."""
+    return " ".join(str(text).split())
 
 
 class StoreError(Exception):
     """A store cannot be read; ``str()`` is one line naming the path and the problem."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
-class StoreNotReady(StoreError):
+
+class StoreNotReadyError(StoreError):
     """A live store that does not exist yet (or is still being created)."""
 
 
-class QueryTimeout(StoreError):
+class QueryTimeoutError(StoreError):
     """A query ran past the store's time limit and was aborted."""
 
 
-def resolve_store_path(target: str | os.PathLike) -> Path:
-    """Return the store file for a run directory or a store file path."""
-    p = Path(target)
-    if p.is_dir() or (not p.exists() and p.suffix != ".sqlite"):
-        return p / STORE_FILENAME
-    return p
+def severity_rank(severity: object) -> int:
+    """0 for an error, 1 for a warning, 2 for info; 9 for a severity this version does not know."""
+    try:
+        return SEVERITY_ORDER[Severity(str(severity))]
+    except ValueError:
+        return 9
+
+
+def _severity_order_sql(column: str) -> str:
+    whens = " ".join(f"WHEN '{s}' THEN {i}" for s, i in SEVERITY_ORDER.items())
+    return f"CASE {column} {whens} ELSE 9 END"
+
+
+# -- which file -------------------------------------------------------------------------------------
+def resolve_store_path(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The store a run directory holds: the legacy ``modscope.sqlite`` (schema version 1), else the
+    newest run's (largest modification time of its files; a tie goes to the lexically largest run
+    id) rank-0 file, or its lowest rank. None while the directory holds no store."""
+    d = Path(run_dir)
+    legacy = d / LEGACY_STORE_FILENAME
+    if legacy.is_file():
+        return legacy
+    runs: dict[str, list[tuple[int, Path, float]]] = {}
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return None
+    for entry in entries:
+        name = parse_store_filename(entry.name)
+        if name is None:
+            continue
+        try:
+            if not entry.is_file():
+                continue
+            mtime = entry.stat().st_mtime
+        except OSError:
+            continue
+        wal = Path(entry.path + "-wal")
+        try:
+            mtime = max(mtime, wal.stat().st_mtime)
+        except OSError:
+            pass
+        runs.setdefault(name.run_id, []).append((name.rank, Path(entry.path), mtime))
+    if not runs:
+        return None
+    newest = max(runs, key=lambda run_id: (max(m for _, _, m in runs[run_id]), run_id))
+    return min(runs[newest])[1]
 
 
 def _sqlite_uri(path: Path, immutable: bool) -> str:
@@ -72,8 +147,8 @@ def _sqlite_uri(path: Path, immutable: bool) -> str:
     return f"file:{quoted}?immutable=1" if immutable else f"file:{quoted}?mode=ro"
 
 
-def _describe_db_error(path: Path, exc: Exception) -> str:
-    text = str(exc)
+def _describe_db_error(path: Path, exc: BaseException) -> str:
+    text = one_line(str(exc))
     if "not a database" in text or "file is encrypted" in text:
         return f"{path}: not an SQLite file"
     if "malformed" in text or "corrupt" in text:
@@ -104,14 +179,6 @@ def check_header(path: Path, *, allow_missing: bool = False) -> bool:
     return True
 
 
-def normalize_path(path: str) -> str:
-    """Map a Python attribute path to the registered spelling so that a run before a fix
-    (``encoder.blocks[0]``) lines up with the run after it (``encoder.blocks.0``)."""
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\[['\"]([^'\"]*)['\"]\]", r".\1", path)
-    return path
-
-
 def _loads(text: Any, default: Any = None) -> Any:
     if text is None:
         return default
@@ -127,64 +194,177 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def _int(x: Any, default: int = 0) -> int:
+    return int(x) if isinstance(x, (int, float)) else default
+
+
+# -- plain results ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StoreInfo:
     path: Path
     schema_version: int
-    tables: tuple
+    tables: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ChangeSignature:
+    """What live polling compares between two looks at a store: a page reads again only when
+    this changed. ``structure`` changes only when the tree's rows or badges must change."""
+
+    last_step: int | None
+    stats_step: int | None
+    structure: tuple[int, ...]     # modules, then active findings: count, code, path, severity sums
+    status: str | None
+    samples_dropped: int
+    probe_errors: int
+    write_errors: int
+
+
+class RunState(StrEnum):
+    """What the header says about the process writing a store."""
+
+    RUNNING = "running"
+    CLOSED = "closed"
+    STALLED = "stalled"                          # alive (or elsewhere), but no heartbeat for a while
+    ENDED = "ended without close"                # the process is gone and never closed the store
+    COPIED_RUNNING = "running when copied"       # a snapshot taken while the run was running
+    UNKNOWN = "unknown"                          # no rank row yet
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a store says about its writer's process (``ranks``)."""
+
+    status: str | None
+    updated_at: float | None
+    pid: int | None
+    hostname: str | None
+    median_step_s: float | None
+
+    def stall_after_s(self) -> float:
+        """Silence longer than this is a stall: 2 min, or 5 median steps when steps are slower."""
+        return max(STALL_MIN_S, STALL_STEP_FACTOR * (self.median_step_s or 0.0))
+
+
+@dataclass(frozen=True)
+class Liveness:
+    state: RunState
+    silent_s: float | None = None        # seconds since the last heartbeat (STALLED)
+
+
+def process_alive(pid: int | None, hostname: str | None) -> bool | None:
+    """Whether process ``pid`` lives, when it ran on this host; None when that cannot be known
+    here (another host, no pid)."""
+    if pid is None or pid <= 0 or not hostname or hostname != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                      # it exists, owned by someone else
+    except OSError:
+        return None
+    return True
+
+
+def liveness(beat: Heartbeat, *, now: float, alive: bool | None) -> Liveness:
+    """The state of a live store's writer from its heartbeat and (on this host) its process."""
+    if beat.status == RunStatus.CLOSED:
+        return Liveness(RunState.CLOSED)
+    if beat.status is None:
+        return Liveness(RunState.UNKNOWN)
+    if alive is False:
+        return Liveness(RunState.ENDED)
+    silent = None if beat.updated_at is None else max(0.0, now - beat.updated_at)
+    if silent is not None and silent > beat.stall_after_s():
+        return Liveness(RunState.STALLED, silent)
+    return Liveness(RunState.RUNNING)
+
+
+@dataclass(frozen=True)
+class WriteTrouble:
+    """Commits of the store that failed (disk full, I/O error): now (``failing``) or earlier."""
+
+    failing: bool
+    failing_since: float | None
+    error: str | None
+    failed_commits: int
+    dropped_samples: int
+
+
+# -- the store --------------------------------------------------------------------------------------
 class Store:
-    """Read access to one run store (a live run or a snapshot).
+    """Read access to one store file (a live run's rank, or a snapshot).
 
-    ``live=True``: the file may not exist yet and is being written (WAL): opened read-only.
+    ``live=True``: the file may not exist yet and is being written (WAL): opened read-only. With
+    ``run_dir`` the file is looked for in that directory (again on every check) until one exists.
     ``live=False``: a snapshot, opened immutable; it must exist and be valid at once.
     """
 
-    def __init__(self, path: str | os.PathLike, *, live: bool, timeout_s: float = 5.0):
+    def __init__(self, path: str | os.PathLike[str], *, live: bool, timeout_s: float = 5.0,
+                 run_dir: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)
+        self.run_dir = None if run_dir is None else Path(run_dir)
         self.live = live
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._lock = threading.Lock()
         self._ready = False
+        self._columns: dict[str, frozenset[str]] = {}
         if not live:
             self.validate()
 
+    @property
+    def where(self) -> Path:
+        """What the user pointed at: the run directory that is followed, else the store file."""
+        return self.run_dir if self.run_dir is not None else self.path
+
     # -- opening -----------------------------------------------------------------------
     @classmethod
-    def open_run(cls, run: str | os.PathLike, **kw) -> "Store":
-        store = cls(resolve_store_path(run), live=True, **kw)
-        if store.path.parent.exists() and not store.path.parent.is_dir():
-            raise StoreError(f"{store.path.parent}: not a directory")
-        store.validate(allow_missing=True)
+    def open_run(cls, run: str | os.PathLike[str], *, timeout_s: float = 5.0) -> Store:
+        """Follow a run directory (or one store file) while it is written."""
+        p = Path(run)
+        if p.is_dir() or (not p.exists() and p.suffix != ".sqlite"):
+            if p.parent.exists() and not p.parent.is_dir():
+                raise StoreError(f"{p.parent}: not a directory")
+            store = cls(resolve_store_path(p) or p / LEGACY_STORE_FILENAME, live=True, timeout_s=timeout_s,
+                        run_dir=p)
+        else:
+            if p.parent.exists() and not p.parent.is_dir():
+                raise StoreError(f"{p.parent}: not a directory")
+            store = cls(p, live=True, timeout_s=timeout_s)
+        store.ready()
         return store
 
     @classmethod
-    def open_snapshot(cls, path: str | os.PathLike, **kw) -> "Store":
+    def open_snapshot(cls, path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> Store:
         p = Path(path)
         if p.is_dir():
-            p = p / STORE_FILENAME
+            found = resolve_store_path(p)
+            if found is None:
+                raise StoreError(f"{p}: no store in this directory")
+            p = found
         if Path(str(p) + "-wal").exists():
             # a store still in WAL mode (a run's own file, not a snapshot): immutable=1 would
             # ignore what is in the -wal file, so read it like a live run
-            store = cls(p, live=True, **kw)
+            store = cls(p, live=True, timeout_s=timeout_s)
             store.validate()
             return store
-        return cls(p, live=False, **kw)
+        return cls(p, live=False, timeout_s=timeout_s)
 
     @classmethod
-    def open_any(cls, target: str | os.PathLike, **kw) -> "Store":
+    def open_any(cls, target: str | os.PathLike[str], *, timeout_s: float = 5.0) -> Store:
         """A run directory (followed live) or a snapshot file."""
         p = Path(target)
         if p.is_dir():
-            return cls.open_run(p, **kw)
+            return cls.open_run(p, timeout_s=timeout_s)
         if not p.exists():
             raise StoreError(f"{p}: no such file or directory")
         # A store file: live if a WAL sidecar is present, else a snapshot.
         if Path(str(p) + "-wal").exists():
-            return cls.open_run(p, **kw)
-        return cls.open_snapshot(p, **kw)
+            return cls.open_run(p, timeout_s=timeout_s)
+        return cls.open_snapshot(p, timeout_s=timeout_s)
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -198,8 +378,11 @@ class Store:
             # any more, so it can be read as immutable.
             if self.live and ("unable to open" in str(exc) or "readonly" in str(exc)) and self.path.exists() \
                     and not Path(str(self.path) + "-wal").exists():
-                conn = sqlite3.connect(_sqlite_uri(self.path, immutable=True), uri=True,
-                                       check_same_thread=True, timeout=self.timeout_s)
+                try:
+                    conn = sqlite3.connect(_sqlite_uri(self.path, immutable=True), uri=True,
+                                           check_same_thread=True, timeout=self.timeout_s)
+                except sqlite3.Error as exc2:
+                    raise StoreError(_describe_db_error(self.path, exc2)) from None
             else:
                 raise StoreError(_describe_db_error(self.path, exc)) from None
         except sqlite3.Error as exc:
@@ -208,17 +391,11 @@ class Store:
         return conn
 
     def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._connect()
             self._local.conn = conn
         return conn
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
 
     def validate(self, allow_missing: bool = False) -> StoreInfo | None:
         """Check file type, schema version and tables. Raise StoreError (one line);
@@ -228,9 +405,11 @@ class Store:
         try:
             conn = self._connect()
             try:
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-                tables = tuple(r[0] for r in conn.execute(
+                version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                tables = tuple(str(r[0]) for r in conn.execute(
                     "SELECT name FROM sqlite_master WHERE type='table' LIMIT 1000"))
+                columns = {t: frozenset(str(r[1]) for r in conn.execute(f"PRAGMA table_info({t})"))
+                           for t in ADDED_COLUMNS if t in tables}
                 if not self.live:
                     row = conn.execute("PRAGMA quick_check(1)").fetchone()
                     if row and row[0] != "ok":
@@ -239,41 +418,57 @@ class Store:
                 conn.close()
         except sqlite3.Error as exc:
             raise StoreError(_describe_db_error(self.path, exc)) from None
-        if version > SUPPORTED_SCHEMA_VERSION:
+        if version > SCHEMA_VERSION:
             raise StoreError(f"{self.path}: written by schema version {version}, "
-                             f"this dashboard reads up to {SUPPORTED_SCHEMA_VERSION}")
-        missing = [t for t in REQUIRED_TABLES if t not in tables]
+                             f"this dashboard reads up to {SCHEMA_VERSION}")
+        missing = [t for t in TABLES if t not in tables]
         if version == 0 or missing:
-            if allow_missing and self.live and (version == 0 or len(missing) == len(REQUIRED_TABLES)):
+            if allow_missing and self.live and (version == 0 or len(missing) == len(TABLES)):
                 return None  # the writer is still creating it
             if version == 0 and not missing:
                 raise StoreError(f"{self.path}: not a modscope store (schema version not set)")
             raise StoreError(f"{self.path}: not a modscope store (missing tables: "
                              f"{', '.join(missing)})")
+        if version < MIN_READ_VERSION:
+            raise StoreError(f"{self.path}: written by schema version {version}, "
+                             f"this dashboard reads {MIN_READ_VERSION} to {SCHEMA_VERSION}")
+        self._columns = columns
         self._ready = True
         return StoreInfo(self.path, version, tables)
 
     def ready(self) -> bool:
-        """True once the store exists with the schema (checked again until it does)."""
+        """True once the store exists with the schema. While a live store is not created yet this
+        is False and checked again on every call (a followed run directory is searched again); a
+        file that is there but cannot be read raises StoreError (one line), in every mode."""
         if self._ready:
             return True
         with self._lock:
             if self._ready:
                 return True
-            try:
-                info = self.validate(allow_missing=True)
-            except StoreError:
-                if self.live:
-                    return False
-                raise
-            return info is not None
+            if self.run_dir is not None:
+                found = resolve_store_path(self.run_dir)
+                if found is not None:
+                    self.path = found
+            return self.validate(allow_missing=True) is not None
+
+    def _select(self, table: str, columns: Sequence[str], alias: str = "") -> str:
+        """``columns`` of ``table`` as a SELECT list; a column added after this store's schema
+        version (``ADDED_COLUMNS``) that the file lacks reads as its default."""
+        present = self._columns.get(table)
+        defaults = dict(ADDED_COLUMNS.get(table, ()))
+        out = []
+        for c in columns:
+            if present is not None and c in defaults and c not in present:
+                out.append(f"{defaults[c]} AS {c}")
+            else:
+                out.append(f"{alias}.{c} AS {c}" if alias else c)
+        return ", ".join(out)
 
     # -- the one query helper --------------------------------------------------------------
-    def _query(self, sql: str, params: Sequence[Any] = (), *, limit: int | None = None
-               ) -> list[sqlite3.Row]:
+    def _query(self, sql: str, params: Sequence[Any] = (), *, limit: int | None = None) -> list[sqlite3.Row]:
         """Run one parameterised read. ``limit`` rows at most; aborted after timeout_s."""
         if not self.ready():
-            raise StoreNotReady(f"{self.path}: waiting for the first sample")
+            raise StoreNotReadyError(f"{self.where}: waiting for the first sample")
         conn = self._conn()
         deadline = time.monotonic() + self.timeout_s
         conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 2000)
@@ -282,7 +477,7 @@ class Store:
             rows = cur.fetchmany(limit) if limit is not None else cur.fetchall()
         except sqlite3.OperationalError as exc:
             if "interrupted" in str(exc):
-                raise QueryTimeout(f"{self.path}: query took longer than {self.timeout_s:g} s") from None
+                raise QueryTimeoutError(f"{self.path}: query took longer than {self.timeout_s:g} s") from None
             raise StoreError(_describe_db_error(self.path, exc)) from None
         except sqlite3.DatabaseError as exc:
             raise StoreError(_describe_db_error(self.path, exc)) from None
@@ -295,46 +490,93 @@ class Store:
         return rows[0] if rows else None
 
     # -- run level -----------------------------------------------------------------------
-    def meta(self) -> dict:
+    def meta(self) -> Row:
         rows = self._query("SELECT key, value FROM meta ORDER BY key LIMIT 500", limit=500)
         return {r["key"]: _loads(r["value"], r["value"]) for r in rows}
 
     def ranks(self) -> list[int]:
         rows = self._query("SELECT rank FROM ranks ORDER BY rank LIMIT 4096", limit=4096)
-        ranks = [r["rank"] for r in rows]
+        ranks = [int(r["rank"]) for r in rows]
         return ranks or [0]
 
     def last_step(self, rank: int = 0) -> int | None:
         row = self._one("SELECT MAX(step) AS s FROM steps WHERE rank = ?", (rank,))
-        return row["s"] if row else None
+        return None if row is None or row["s"] is None else int(row["s"])
 
-    def version(self, rank: int = 0) -> dict:
-        """Cheap change detector for live polling: the last step, and a signature of the
-        structure (modules, findings) that changes when the tree's badges must change."""
-        step = self.last_step(rank)
+    _RANK_COLS = ("world_size", "hostname", "pid", "model_class", "torch_version", "python_version", "device",
+                  "sampling", "started_at", "updated_at", "closed_at", "status", "step", "samples_written",
+                  "samples_dropped", "probe_errors", "overhead", "write_errors", "last_error")
+
+    def _rank_row(self, rank: int) -> Row:
+        row = self._one(f"SELECT {self._select('ranks', self._RANK_COLS)} FROM ranks WHERE rank = ?", (rank,))
+        return dict(row) if row else {}
+
+    def change_signature(self, rank: int = 0) -> ChangeSignature:
+        """Cheap change detector for live polling (index-only queries)."""
         stats_step = self._one("SELECT MAX(step) AS s FROM module_stats WHERE rank = ?", (rank,))
         mods = self._one("SELECT COUNT(*) AS n FROM modules WHERE rank = ?", (rank,))
         # not last_step: it moves with every sample; the tree's badges change only with these
         fnd = self._one("SELECT COUNT(*) AS n, SUM(active) AS a, SUM(LENGTH(code) * active) AS c, "
-                        "SUM(LENGTH(path) * active) AS p FROM findings WHERE rank = ?", (rank,))
-        rk = self._one("SELECT status, samples_dropped, probe_errors FROM ranks WHERE rank = ?",
-                       (rank,))
-        return {
-            "step": step,
-            "stats_step": stats_step["s"] if stats_step else None,
-            "struct": [mods["n"] if mods else 0,
-                       list(fnd) if fnd else None,
-                       list(rk) if rk else None],
-        }
+                        "SUM(LENGTH(path) * active) AS p, SUM(LENGTH(severity) * active) AS s "
+                        "FROM findings WHERE rank = ?", (rank,))
+        rk = self._one(f"SELECT status, samples_dropped, probe_errors, "
+                       f"{self._select('ranks', ('write_errors',))} FROM ranks WHERE rank = ?", (rank,))
+        return ChangeSignature(
+            last_step=self.last_step(rank),
+            stats_step=None if stats_step is None or stats_step["s"] is None else int(stats_step["s"]),
+            structure=(_int(mods["n"] if mods else 0), *(_int(v) for v in (tuple(fnd) if fnd else (0,) * 5))),
+            status=rk["status"] if rk else None,
+            samples_dropped=_int(rk["samples_dropped"] if rk else 0),
+            probe_errors=_int(rk["probe_errors"] if rk else 0),
+            write_errors=_int(rk["write_errors"] if rk else 0),
+        )
 
-    def overview(self, rank: int = 0) -> dict:
+    def heartbeat(self, rank: int = 0) -> Heartbeat:
+        rk = self._one("SELECT status, updated_at, pid, hostname FROM ranks WHERE rank = ?", (rank,))
+        recent = [float(r["step_ms"]) for r in self._query(
+            "SELECT step_ms FROM steps WHERE rank = ? AND step_ms IS NOT NULL ORDER BY step DESC LIMIT ?",
+            (rank, RECENT_STEPS), limit=RECENT_STEPS)]
+        return Heartbeat(status=rk["status"] if rk else None,
+                         updated_at=float(rk["updated_at"]) if rk and rk["updated_at"] is not None else None,
+                         pid=int(rk["pid"]) if rk and rk["pid"] is not None else None,
+                         hostname=rk["hostname"] if rk else None,
+                         median_step_s=statistics.median(recent) / 1000.0 if recent else None)
+
+    def liveness(self, rank: int = 0, now: float | None = None) -> Liveness:
+        """Running, closed, stalled (no heartbeat for max(2 min, 5 median steps)) or ended without
+        close (its process is gone, known on this host only). A snapshot says what it recorded."""
+        beat = self.heartbeat(rank)
+        if not self.live:
+            if beat.status is None:
+                return Liveness(RunState.UNKNOWN)
+            return Liveness(RunState.CLOSED if beat.status == RunStatus.CLOSED else RunState.COPIED_RUNNING)
+        return liveness(beat, now=time.time() if now is None else now, alive=process_alive(beat.pid, beat.hostname))
+
+    def write_trouble(self, rank: int = 0) -> WriteTrouble | None:
+        """Failed commits of this store: from the writer's status file (while it is failing, or
+        after) and the store's own count (``ranks.write_errors``). None when there were none."""
+        status = read_status(self.path) if self.live else None
+        rk = self._one(f"SELECT samples_dropped, {self._select('ranks', ('write_errors', 'last_error'))} "
+                       "FROM ranks WHERE rank = ?", (rank,))
+        stored = _int(rk["write_errors"]) if rk else 0
+        last_error = rk["last_error"] if rk else None
+        if status is not None and status.state == WriterState.FAILING:
+            return WriteTrouble(True, status.failing_since, status.error or last_error,
+                                max(status.failed_commits, stored), status.dropped_samples)
+        failed = max(stored, status.failed_commits if status is not None else 0)
+        if not failed:
+            return None
+        dropped = status.dropped_samples if status is not None else _int(rk["samples_dropped"]) if rk else 0
+        error = (status.error if status is not None else None) or last_error
+        return WriteTrouble(False, None, one_line(error) if error else None, failed, dropped)
+
+    def overview(self, rank: int = 0) -> Row:
         meta = self.meta()
-        rk = self._one("SELECT * FROM ranks WHERE rank = ?", (rank,))
-        rkd = dict(rk) if rk else {}
+        rkd = self._rank_row(rank)
         steps = self._one("SELECT COUNT(*) AS n, MAX(step) AS last, SUM(sampled) AS sampled, "
                           "SUM(probe_ms) AS probe_ms, SUM(step_ms) AS step_ms "
                           "FROM steps WHERE rank = ?", (rank,))
-        sev = {s: 0 for s in SEVERITIES}
+        sev = {str(s): 0 for s in Severity}
         for r in self._query("SELECT severity, COUNT(*) AS n FROM findings "
                              "WHERE rank = ? AND active = 1 GROUP BY severity LIMIT 10",
                              (rank,), limit=10):
@@ -343,11 +585,11 @@ class Store:
             "SELECT kind, COUNT(*) AS n FROM modules WHERE rank = ? GROUP BY kind LIMIT 10",
             (rank,), limit=10)}
         params = self._one(
-            "SELECT COALESCE(SUM(CASE WHEN kind = 'parameter' THEN numel END), 0) AS total, "
-            "COALESCE(SUM(CASE WHEN kind = 'parameter' AND requires_grad = 1 THEN numel END), 0) "
+            f"SELECT COALESCE(SUM(CASE WHEN kind = '{TensorKind.PARAMETER}' THEN numel END), 0) AS total, "
+            f"COALESCE(SUM(CASE WHEN kind = '{TensorKind.PARAMETER}' AND requires_grad = 1 THEN numel END), 0) "
             "AS trainable, "
             "COALESCE(SUM(CASE WHEN in_optimizer = 1 THEN numel END), 0) AS in_optimizer, "
-            "COALESCE(SUM(CASE WHEN kind = 'tensor' THEN numel END), 0) AS unregistered, "
+            f"COALESCE(SUM(CASE WHEN kind = '{TensorKind.TENSOR}' THEN numel END), 0) AS unregistered, "
             "COALESCE(SUM(in_state_dict), 0) AS state_dict_tensors "
             "FROM params WHERE rank = ?", (rank,))
         root = self._one("SELECT type FROM modules WHERE rank = ? AND parent_id IS NULL "
@@ -368,22 +610,27 @@ class Store:
             "sampling": _loads(rkd.get("sampling"), rkd.get("sampling")),
             "status": rkd.get("status"),
             "world_size": rkd.get("world_size") or 1,
-            "step": rkd.get("step") if rkd.get("step") is not None else (steps["last"] if steps else None),
+            # the newest step row (what the header says); the writer's counter before the first one
+            "step": steps["last"] if steps and steps["last"] is not None else rkd.get("step"),
             "steps_recorded": steps["n"] if steps else 0,
             "samples_stored": samples_stored,
             "samples_written": rkd.get("samples_written", 0),
             "samples_dropped": rkd.get("samples_dropped", 0),
             "probe_errors": rkd.get("probe_errors", 0),
+            "write_errors": rkd.get("write_errors", 0),
+            "last_error": rkd.get("last_error"),
             "overhead": _finite(overhead),
             "findings": sev,
-            "modules": {k: mods.get(k, 0) for k in ("registered", "unregistered", "runtime")},
+            "modules": {str(k): mods.get(str(k), 0) for k in ModuleKind},
             "params": dict(params) if params else {},
             "started_at": rkd.get("started_at"),
             "updated_at": rkd.get("updated_at"),
+            "closed_at": rkd.get("closed_at"),
+            "pid": rkd.get("pid"),
+            "hostname": rkd.get("hostname"),
         }
 
-    def loss_series(self, rank: int = 0, since_step: int | None = None,
-                    max_points: int = MAX_POINTS) -> dict:
+    def loss_series(self, rank: int = 0, since_step: int | None = None, max_points: int = MAX_POINTS) -> Row:
         """Loss per step. With ``since_step``: only newer steps (live polling), raw.
         Otherwise downsampled to ``max_points`` buckets (mean loss per bucket)."""
         if since_step is not None:
@@ -404,55 +651,50 @@ class Store:
         return {"step": [r["step"] for r in rows], "loss": [_finite(r["loss"]) for r in rows],
                 "last": rng["hi"]}
 
-    def probe_errors(self, rank: int = 0, limit: int = 200) -> list[dict]:
+    def probe_errors(self, rank: int = 0, limit: int = 200) -> list[Row]:
         return [dict(r) for r in self._query(
             "SELECT location, error_type, message, count, first_step, last_step FROM probe_errors "
             "WHERE rank = ? ORDER BY count DESC LIMIT ?", (rank, limit), limit=limit)]
 
     # -- module tree ---------------------------------------------------------------------
-    _MODULE_COLS = ("module_id, parent_id, path, name, type, type_module, kind, depth, n_children, "
-                    "params_total, params_trainable, params_in_optimizer, first_step")
+    _MODULE_COLS = ("module_id", "parent_id", "path", "name", "type", "type_module", "kind", "depth", "n_children",
+                    "params_total", "params_trainable", "params_in_optimizer", "first_step")
 
-    def root(self, rank: int = 0) -> dict | None:
-        row = self._one(f"SELECT {self._MODULE_COLS} FROM modules WHERE rank = ? "
-                        "AND parent_id IS NULL ORDER BY module_id LIMIT 1", (rank,))
-        return dict(row) if row else None
+    def _modules_where(self, where: str, params: Sequence[Any], order: str = "module_id", limit: int = 1
+                       ) -> list[Row]:
+        return [dict(r) for r in self._query(
+            f"SELECT {', '.join(self._MODULE_COLS)} FROM modules WHERE {where} ORDER BY {order} LIMIT ?",
+            (*params, limit), limit=limit)]
 
-    def module(self, rank: int, module_id: int) -> dict | None:
-        row = self._one(f"SELECT {self._MODULE_COLS} FROM modules WHERE rank = ? AND module_id = ?",
-                        (rank, module_id))
-        return dict(row) if row else None
+    def root(self, rank: int = 0) -> Row | None:
+        rows = self._modules_where("rank = ? AND parent_id IS NULL", (rank,))
+        return rows[0] if rows else None
 
-    def module_by_path(self, rank: int, path: str) -> dict | None:
-        row = self._one(f"SELECT {self._MODULE_COLS} FROM modules WHERE rank = ? AND path = ? "
-                        "LIMIT 1", (rank, path))
-        return dict(row) if row else None
+    def module(self, rank: int, module_id: int) -> Row | None:
+        rows = self._modules_where("rank = ? AND module_id = ?", (rank, module_id))
+        return rows[0] if rows else None
 
-    def module_for_path(self, rank: int, path: str) -> dict | None:
+    def module_by_path(self, rank: int, path: str) -> Row | None:
+        rows = self._modules_where("rank = ? AND path = ?", (rank, path))
+        return rows[0] if rows else None
+
+    def module_for_path(self, rank: int, path: str) -> Row | None:
         """The module a finding path belongs to: the path itself or its longest module prefix."""
-        p = path
-        for _ in range(64):
-            m = self.module_by_path(rank, p)
+        for candidate in module_path_candidates(path):
+            m = self.module_by_path(rank, candidate)
             if m is not None:
                 return m
-            if not p:
-                return None
-            cut = max(p.rfind("."), p.rfind("["))
-            p = p[:cut] if cut > 0 else ""
         return None
 
-    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN) -> dict:
+    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN) -> Row:
         """Children of one node (registered first, in id order); ``more`` counts the rest."""
-        rows = self._query(f"SELECT {self._MODULE_COLS} FROM modules WHERE rank = ? "
-                           "AND parent_id = ? ORDER BY module_id LIMIT ?",
-                           (rank, parent_id, limit + 1), limit=limit + 1)
-        items = [dict(r) for r in rows[:limit]]
+        rows = self._modules_where("rank = ? AND parent_id = ?", (rank, parent_id), limit=limit + 1)
         more = 0
         if len(rows) > limit:
             n = self._one("SELECT COUNT(*) AS n FROM modules WHERE rank = ? AND parent_id = ?",
                           (rank, parent_id))
             more = (n["n"] if n else len(rows)) - limit
-        return {"items": items, "more": more}
+        return {"items": rows[:limit], "more": more}
 
     def ancestors(self, rank: int, module_id: int) -> list[int]:
         """Ids from the root down to the parent of ``module_id``."""
@@ -463,10 +705,10 @@ class Store:
             " JOIN up ON m.rank = ? AND m.module_id = up.parent WHERE up.lvl < 256)"
             " SELECT id, lvl FROM up WHERE lvl > 0 ORDER BY lvl DESC LIMIT 300",
             (rank, module_id, rank), limit=300)
-        return [r["id"] for r in rows]
+        return [int(r["id"]) for r in rows]
 
     def search_modules(self, rank: int = 0, text: str = "", code: str | None = None,
-                       limit: int = MAX_SEARCH) -> dict:
+                       limit: int = MAX_SEARCH) -> Row:
         """Modules whose path or type contains ``text`` (case-insensitive) and, when ``code``
         is given, that carry an active finding with that code."""
         where = ["m.rank = ?"]
@@ -480,26 +722,26 @@ class Store:
             where.append("EXISTS (SELECT 1 FROM findings f WHERE f.rank = m.rank "
                          "AND f.module_id = m.module_id AND f.code = ? AND f.active = 1)")
             params.append(code)
-        rows = self._query(f"SELECT {', '.join('m.' + c.strip() for c in self._MODULE_COLS.split(','))} "
+        rows = self._query(f"SELECT {', '.join('m.' + c for c in self._MODULE_COLS)} "
                            f"FROM modules m WHERE {' AND '.join(where)} "
                            "ORDER BY m.depth, m.module_id LIMIT ?", (*params, limit + 1),
                            limit=limit + 1)
         return {"items": [dict(r) for r in rows[:limit]], "truncated": len(rows) > limit}
 
-    def findings_for_modules(self, rank: int, module_ids: Iterable[int]) -> dict[int, list[dict]]:
-        """Active findings drawn on each of ``module_ids`` (code, severity)."""
+    def findings_for_modules(self, rank: int, module_ids: Iterable[int]) -> dict[int, list[Row]]:
+        """Active findings drawn on each of ``module_ids`` (code, severity, path), worst first."""
         ids = sorted({int(i) for i in module_ids})
-        out: dict[int, list[dict]] = {}
+        out: dict[int, list[Row]] = {}
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
             marks = ",".join("?" * len(chunk))
             for r in self._query(f"SELECT module_id, code, severity, path FROM findings "
                                  f"WHERE rank = ? AND active = 1 AND module_id IN ({marks}) "
                                  "LIMIT 20000", (rank, *chunk), limit=20000):
-                out.setdefault(r["module_id"], []).append(
+                out.setdefault(int(r["module_id"]), []).append(
                     {"code": r["code"], "severity": r["severity"], "path": r["path"]})
         for v in out.values():
-            v.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["code"]))
+            v.sort(key=lambda f: (severity_rank(f["severity"]), f["code"]))
         return out
 
     def subtree_finding_counts(self, rank: int = 0) -> dict[int, dict[str, int]]:
@@ -515,7 +757,7 @@ class Store:
             (rank, rank), limit=100000)
         out: dict[int, dict[str, int]] = {}
         for r in rows:
-            out.setdefault(r["id"], {})[r["sev"]] = r["n"]
+            out.setdefault(int(r["id"]), {})[str(r["sev"])] = int(r["n"])
         return out
 
     def default_expanded(self, rank: int = 0, findings: int = 3) -> list[int]:
@@ -524,11 +766,11 @@ class Store:
         root = self.root(rank)
         if root is None:
             return []
-        ids = [root["module_id"]]
+        ids = [int(root["module_id"])]
         rows = self._query("SELECT module_id FROM findings WHERE rank = ? AND active = 1 "
-                           "AND severity IN ('error', 'warning') AND module_id IS NOT NULL "
-                           "GROUP BY module_id ORDER BY MIN(CASE severity WHEN 'error' THEN 0 ELSE 1 END), "
-                           "module_id LIMIT ?", (rank, findings), limit=findings)
+                           "AND severity IN (?, ?) AND module_id IS NOT NULL "
+                           f"GROUP BY module_id ORDER BY MIN({_severity_order_sql('severity')}), "
+                           "module_id LIMIT ?", (rank, Severity.ERROR, Severity.WARNING, findings), limit=findings)
         for r in rows:
             for a in self.ancestors(rank, r["module_id"]):
                 if a not in ids:
@@ -536,11 +778,15 @@ class Store:
         return ids
 
     # -- findings ------------------------------------------------------------------------
+    _FINDING_COLS = ("code", "path", "severity", "module_id", "message", "fix", "evidence", "first_step",
+                     "last_step", "active", "count", "cause_code", "cause_path")
+
     def findings(self, rank: int = 0, *, active: bool | None = True, module_id: int | None = None,
-                 limit: int = MAX_FINDINGS) -> list[dict]:
-        """Findings sorted by severity (error, warning, info), then path."""
-        sql = ("SELECT f.code, f.path, f.severity, f.module_id, f.message, f.fix, f.evidence, "
-               "f.first_step, f.last_step, f.active, m.path AS module_path "
+                 limit: int = MAX_FINDINGS) -> list[Row]:
+        """Findings sorted by severity (error, warning, info), then path. Each has the columns of
+        ``findings`` (``count``, ``cause_code``, ``cause_path`` read as 1, NULL, NULL in a version-1
+        store), ``evidence`` decoded, and the path of the module it is drawn on."""
+        sql = (f"SELECT {self._select('findings', self._FINDING_COLS, 'f')}, m.path AS module_path "
                "FROM findings f LEFT JOIN modules m ON m.rank = f.rank AND m.module_id = f.module_id "
                "WHERE f.rank = ?")
         params: list[Any] = [rank]
@@ -550,8 +796,7 @@ class Store:
         if module_id is not None:
             sql += " AND f.module_id = ?"
             params.append(module_id)
-        sql += (" ORDER BY CASE f.severity WHEN 'error' THEN 0 WHEN 'warning' THEN 1 "
-                "WHEN 'info' THEN 2 ELSE 3 END, f.active DESC, f.path, f.code LIMIT ?")
+        sql += f" ORDER BY {_severity_order_sql('f.severity')}, f.active DESC, f.path, f.code LIMIT ?"
         params.append(limit)
         out = []
         for r in self._query(sql, params, limit=limit):
@@ -561,7 +806,7 @@ class Store:
         return out
 
     def finding_codes(self, rank: int = 0) -> list[str]:
-        return [r["code"] for r in self._query(
+        return [str(r["code"]) for r in self._query(
             "SELECT DISTINCT code FROM findings WHERE rank = ? AND active = 1 ORDER BY code LIMIT 100",
             (rank,), limit=100)]
 
@@ -570,10 +815,11 @@ class Store:
                     "out_grad_norm", "calls")
 
     def module_series(self, rank: int, module_id: int, since_step: int | None = None,
-                      max_points: int = MAX_POINTS) -> dict:
+                      max_points: int = MAX_POINTS) -> Row:
         """Per-step statistics of one module. ``since_step``: only newer rows (raw);
         otherwise the whole run downsampled to ``max_points`` buckets (bucket means)."""
         cols = self._SERIES_COLS
+        rows: list[sqlite3.Row]
         if since_step is not None:
             rows = self._query(f"SELECT step, {', '.join(cols)} FROM module_stats WHERE rank = ? "
                                "AND module_id = ? AND step > ? ORDER BY step LIMIT ?",
@@ -595,13 +841,13 @@ class Store:
                                    "WHERE rank = ? AND module_id = ? GROUP BY step / ? "
                                    "ORDER BY step LIMIT ?",
                                    (rank, module_id, bucket, max_points + 1), limit=max_points + 1)
-        out: dict[str, list] = {"step": [r["step"] for r in rows]}
+        out: Row = {"step": [r["step"] for r in rows]}
         for c in cols:
             out[c] = [_finite(r[c]) for r in rows]
         out["last"] = rows[-1]["step"] if rows else since_step
         return out
 
-    def module_hist(self, rank: int, module_id: int, max_cols: int = MAX_HEAT_COLUMNS) -> dict:
+    def module_hist(self, rank: int, module_id: int, max_cols: int = MAX_HEAT_COLUMNS) -> Row:
         """Activation histograms over time: ``steps`` x ``HIST_BINS`` counts (columns thinned
         to ``max_cols``), with the bin edges from meta 'hist_edges'."""
         rng = self._one("SELECT COUNT(*) AS n, MIN(step) AS lo, MAX(step) AS hi FROM module_stats "
@@ -622,13 +868,16 @@ class Store:
                 counts.append([float(x or 0) for x in h])
         return {"step": steps, "counts": counts, "edges": edges}
 
-    def module_params(self, rank: int, module_id: int, limit: int = MAX_PARAMS) -> list[dict]:
+    _PARAM_COLS = ("param_id", "path", "name", "shape", "numel", "dtype", "device", "kind", "requires_grad",
+                   "registered", "is_parameter", "in_state_dict", "in_optimizer", "opt_index", "opt_group", "lr",
+                   "aliases", "moved")
+    _PARAM_STAT_COLS = ("grad_norm", "data_norm", "update_norm", "update_ratio", "local_grad_norm", "fingerprint")
+
+    def module_params(self, rank: int, module_id: int, limit: int = MAX_PARAMS) -> list[Row]:
         """The parameters/buffers/tensors owned by a module, with their latest statistics."""
         rows = self._query(
-            "SELECT p.param_id, p.path, p.name, p.shape, p.numel, p.dtype, p.device, p.kind, "
-            "p.requires_grad, p.registered, p.is_parameter, p.in_state_dict, p.in_optimizer, "
-            "p.opt_index, p.opt_group, p.lr, p.aliases, p.moved, "
-            "s.step AS stat_step, s.grad_norm, s.data_norm, s.update_norm, s.update_ratio "
+            f"SELECT {', '.join('p.' + c for c in self._PARAM_COLS)}, s.step AS stat_step, "
+            f"{self._select('param_stats', self._PARAM_STAT_COLS, 's')} "
             "FROM params p LEFT JOIN param_stats s ON s.rank = p.rank AND s.param_id = p.param_id "
             "AND s.step = (SELECT MAX(step) FROM param_stats WHERE rank = p.rank "
             "AND param_id = p.param_id) "
@@ -639,19 +888,10 @@ class Store:
             d = dict(r)
             d["shape"] = _loads(d["shape"])
             d["aliases"] = _loads(d["aliases"], []) or []
-            for k in ("grad_norm", "data_norm", "update_norm", "update_ratio", "lr"):
+            for k in ("lr", *self._PARAM_STAT_COLS):
                 d[k] = _finite(d[k])
             out.append(d)
         return out
-
-    def param_series(self, rank: int, param_id: int, max_points: int = MAX_POINTS) -> dict:
-        rows = self._query("SELECT step, grad_norm, update_ratio FROM param_stats WHERE rank = ? "
-                           "AND param_id = ? ORDER BY step DESC LIMIT ?",
-                           (rank, param_id, max_points), limit=max_points)
-        rows = rows[::-1]
-        return {"step": [r["step"] for r in rows],
-                "grad_norm": [_finite(r["grad_norm"]) for r in rows],
-                "update_ratio": [_finite(r["update_ratio"]) for r in rows]}
 
     # -- whole-store views (compare, report) -------------------------------------------------
     def state_dict_keys(self, rank: int = 0, limit: int = MAX_KEYS) -> list[str]:
@@ -665,12 +905,10 @@ class Store:
                     keys.add(a)
         return sorted(keys)
 
-    def all_modules(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> list[dict]:
-        return [dict(r) for r in self._query(
-            f"SELECT {self._MODULE_COLS} FROM modules WHERE rank = ? ORDER BY module_id LIMIT ?",
-            (rank, limit), limit=limit)]
+    def all_modules(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> list[Row]:
+        return self._modules_where("rank = ?", (rank,), limit=limit)
 
-    def latest_module_stats(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> dict[int, dict]:
+    def latest_module_stats(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> dict[int, Row]:
         """Each module's most recent statistics row (one index seek per module)."""
         rows = self._query(
             "SELECT s.module_id, s.step, s.mean, s.std, s.dead_frac, s.sat_frac, s.nonfinite, "
@@ -678,79 +916,66 @@ class Store:
             "AND s.module_id = m.module_id AND s.step = (SELECT MAX(step) FROM module_stats "
             "WHERE rank = m.rank AND module_id = m.module_id) WHERE m.rank = ? LIMIT ?",
             (rank, limit), limit=limit)
-        return {r["module_id"]: {k: _finite(r[k]) for k in r.keys()} for r in rows}
+        return {int(r["module_id"]): {k: _finite(r[k]) for k in r.keys()} for r in rows}  # noqa: SIM118
 
     def final_loss(self, rank: int = 0) -> float | None:
         row = self._one("SELECT loss FROM steps WHERE rank = ? AND loss IS NOT NULL "
                         "ORDER BY step DESC LIMIT 1", (rank,))
-        return _finite(row["loss"]) if row else None
+        return None if row is None else _finite(float(row["loss"]))
 
     # -- snapshots ---------------------------------------------------------------------------
-    def snapshot_to(self, dest: str | os.PathLike) -> Path:
-        """Write a consistent single-file copy (SQLite backup API, journal_mode=DELETE)."""
-        if not self.ready():
-            raise StoreNotReady(f"{self.path}: waiting for the first sample")
-        dest = Path(dest)
-        tmp = dest.with_name(dest.name + ".part")
-        if tmp.exists():
-            tmp.unlink()
-        src = self._connect()
-        try:
-            dst = sqlite3.connect(str(tmp))
-            try:
-                src.backup(dst)
-                dst.execute("PRAGMA journal_mode=DELETE")
-                dst.commit()
-            finally:
-                dst.close()
-        except sqlite3.Error as exc:
-            raise StoreError(_describe_db_error(self.path, exc)) from None
-        finally:
-            src.close()
-        os.replace(tmp, dest)
-        return dest
-
     def snapshot_bytes(self) -> bytes:
+        """A consistent single-file copy of this store (``probes.schema.snapshot``), as bytes."""
+        if not self.ready():
+            raise StoreNotReadyError(f"{self.where}: waiting for the first sample")
         with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
-            p = self.snapshot_to(Path(d) / "snapshot.sqlite")
-            return p.read_bytes()
+            try:
+                return snapshot([self.path], Path(d) / "snapshot.sqlite").read_bytes()
+            except (sqlite3.Error, OSError, ValueError) as exc:
+                raise StoreError(_describe_db_error(self.path, exc)) from None
 
 
 # -- compare ---------------------------------------------------------------------------------
 _STAT_KEYS = ("mean", "std", "dead_frac", "sat_frac", "out_grad_norm")
 
 
-def _codes(findings: list[dict]) -> list[dict]:
+def _codes(findings: list[Row]) -> list[Row]:
     """Distinct finding codes of one module, worst severity first: [{"code", "severity"}]."""
     seen: dict[str, str] = {}
     for f in findings:
         seen.setdefault(f["code"], f["severity"])
     return sorted(({"code": c, "severity": v} for c, v in seen.items()),
-                  key=lambda d: (SEVERITY_ORDER.get(d["severity"], 9), d["code"]))
+                  key=lambda d: (severity_rank(d["severity"]), d["code"]))
 
 
-def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> dict:
+def _finding_order(f: Mapping[str, Any]) -> tuple[int, str, str]:
+    return severity_rank(f["severity"]), f["path"], f["code"]
+
+
+def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> Row:
     """The "before / after" table of two stores: summary, findings appeared/resolved,
     checkpoint keys added/removed, and per-module statistics then (a) and now (b).
     Modules are matched by normalised path (``blocks[0]`` ~ ``blocks.0``)."""
     ova, ovb = a.overview(rank), b.overview(rank)
 
-    def summary_row(label, va, vb):
+    def summary_row(label: str, va: Any, vb: Any) -> Row:
         return {"metric": label, "a": va, "b": vb, "changed": va != vb}
 
+    unregistered = (ModuleKind.UNREGISTERED, ModuleKind.RUNTIME)
     keys_a, keys_b = set(a.state_dict_keys(rank)), set(b.state_dict_keys(rank))
     summary = [
         summary_row("model class", ova["model_class"], ovb["model_class"]),
-        summary_row("registered modules", ova["modules"]["registered"], ovb["modules"]["registered"]),
-        summary_row("unregistered modules", ova["modules"]["unregistered"] + ova["modules"]["runtime"],
-                    ovb["modules"]["unregistered"] + ovb["modules"]["runtime"]),
+        summary_row("registered modules", ova["modules"][ModuleKind.REGISTERED],
+                    ovb["modules"][ModuleKind.REGISTERED]),
+        summary_row("unregistered modules", sum(ova["modules"][k] for k in unregistered),
+                    sum(ovb["modules"][k] for k in unregistered)),
         summary_row("parameters (registered)", ova["params"].get("total", 0), ovb["params"].get("total", 0)),
         summary_row("trainable", ova["params"].get("trainable", 0), ovb["params"].get("trainable", 0)),
         summary_row("held by optimizer", ova["params"].get("in_optimizer", 0),
                     ovb["params"].get("in_optimizer", 0)),
         summary_row("checkpoint keys", len(keys_a), len(keys_b)),
-        summary_row("errors", ova["findings"]["error"], ovb["findings"]["error"]),
-        summary_row("warnings", ova["findings"]["warning"], ovb["findings"]["warning"]),
+        summary_row("errors", ova["findings"][Severity.ERROR], ovb["findings"][Severity.ERROR]),
+        summary_row("warnings", ova["findings"][Severity.WARNING], ovb["findings"][Severity.WARNING]),
         summary_row("last step", ova["step"], ovb["step"]),
         summary_row("final loss", a.final_loss(rank), b.final_loss(rank)),
     ]
@@ -760,7 +985,6 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
     appeared = [fb[k] for k in fb if k not in fa]
     resolved = [fa[k] for k in fa if k not in fb]
     persisting = [fb[k] for k in fb if k in fa]
-    sort_key = lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["path"], f["code"])  # noqa: E731
 
     mods_a = {normalize_path(m["path"]): m for m in a.all_modules(rank, limit)}
     mods_b = {normalize_path(m["path"]): m for m in b.all_modules(rank, limit)}
@@ -776,10 +1000,11 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
         sb = stats_b.get(mb["module_id"], {}) if mb else {}
         ca = _codes(codes_a.get(ma["module_id"], [])) if ma else []
         cb = _codes(codes_b.get(mb["module_id"], [])) if mb else []
-        row = {
+        either = mb if mb is not None else ma
+        row: Row = {
             "key": key,
             "path_a": ma["path"] if ma else None, "path_b": mb["path"] if mb else None,
-            "type": (mb or ma)["type"],
+            "type": either["type"] if either else None,
             "kind_a": ma["kind"] if ma else None, "kind_b": mb["kind"] if mb else None,
             "params_a": ma["params_total"] if ma else None, "params_b": mb["params_total"] if mb else None,
             "in_opt_a": ma["params_in_optimizer"] if ma else None,
@@ -797,9 +1022,9 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
         "a": {"path": ova["path"], "run_name": ova["run_name"]},
         "b": {"path": ovb["path"], "run_name": ovb["run_name"]},
         "summary": summary,
-        "findings_appeared": sorted(appeared, key=sort_key),
-        "findings_resolved": sorted(resolved, key=sort_key),
-        "findings_persisting": sorted(persisting, key=sort_key),
+        "findings_appeared": sorted(appeared, key=_finding_order),
+        "findings_resolved": sorted(resolved, key=_finding_order),
+        "findings_persisting": sorted(persisting, key=_finding_order),
         "keys_added": sorted(keys_b - keys_a),
         "keys_removed": sorted(keys_a - keys_b),
         "keys_common": len(keys_a & keys_b),

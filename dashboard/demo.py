@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .paths import demo_script
+
 REPO = Path(__file__).resolve().parent.parent
-DEMO_SCRIPT = REPO / "examples" / "demo_train.py"
+DEMO_SCRIPT = demo_script()      # examples/demo_train.py in a checkout, dashboard/demo_train.py in a wheel
 # default arguments of the demo: train until stopped, sampling every step
 DEMO_ARGS = ("--steps", "0", "--delay", "0.1")
 

@@ -7,18 +7,20 @@ Text that comes from user code (module paths, class names) is passed through
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import html
+import itertools
 import math
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # Figures are plain dicts ({"data": [...], "layout": {...}}), which Dash and plotly.js take as
 # they are: building validated plotly.graph_objects figures cost ~20 ms each.
-SEVERITY_COLORS = MappingProxyType({"error": "#d93f3f", "warning": "#e09b0f", "info": "#2f74d0"})
 SERIES_COLORS = ("#2f74d0", "#7c4dcc", "#1f9d74", "#d9672b", "#6b7280")
 FONT = "Inter, Segoe UI, Roboto, Helvetica, Arial, sans-serif"
 GRID = "#eceef2"
+
+Figure = dict[str, Any]     # {"data": [...], "layout": {...}}
+Series = Mapping[str, Any]  # plain data from dashboard.data: {"step": [...], <key>: [...]}
 
 
 def plot_text(text: object) -> str:
@@ -26,14 +28,14 @@ def plot_text(text: object) -> str:
     return html.escape("" if text is None else str(text), quote=True)
 
 
-def _axis(**kw) -> dict:
+def _axis(**kw: Any) -> dict[str, Any]:
     ax = {"gridcolor": GRID, "zeroline": False, "linecolor": "#d1d5db", "showline": True,
           "ticks": "", "automargin": True}
     ax.update(kw)
     return ax
 
 
-def _base(title: str | None, height: int, uirevision: object) -> dict:
+def _base(title: str | None, height: int, uirevision: object) -> dict[str, Any]:
     layout = {
         "height": height,
         "margin": {"l": 52, "r": 28, "t": 36 if title else 12, "b": 40},
@@ -52,7 +54,7 @@ def _base(title: str | None, height: int, uirevision: object) -> dict:
     return layout
 
 
-def empty_figure(message: str, height: int = 240) -> dict:
+def empty_figure(message: str, height: int = 240) -> Figure:
     layout = _base(None, height, "empty")
     layout.update(xaxis={"visible": False}, yaxis={"visible": False}, hovermode=False,
                   annotations=[{"text": plot_text(message), "showarrow": False,
@@ -61,13 +63,13 @@ def empty_figure(message: str, height: int = 240) -> dict:
     return {"data": [], "layout": layout}
 
 
-def _scatter(x, y, name: str, color: str, n: int) -> dict:
+def _scatter(x: Sequence[Any], y: Sequence[Any], name: str, color: str, n: int) -> dict[str, Any]:
     return {"type": "scatter", "x": list(x), "y": list(y), "name": name,
             "mode": "lines+markers" if n < 40 else "lines", "marker": {"size": 4},
             "line": {"color": color, "width": 2}}
 
 
-def loss_figure(series: dict, uirevision: object = "loss", height: int = 280) -> dict:
+def loss_figure(series: Series, uirevision: object = "loss", height: int = 280) -> Figure:
     steps, loss = series.get("step") or [], series.get("loss") or []
     if not steps:
         return empty_figure("No loss recorded yet (pass loss= to watcher.step()).", height)
@@ -77,15 +79,16 @@ def loss_figure(series: dict, uirevision: object = "loss", height: int = 280) ->
     return {"data": [_scatter(steps, loss, "loss", SERIES_COLORS[0], len(steps))], "layout": layout}
 
 
-def _spread(values: Sequence) -> float:
+def _spread(values: Sequence[float | None]) -> float:
     vals = [v for v in values if v is not None and v > 0]
     if not vals:
         return 0.0
-    return max(vals) / min(vals)
+    return float(max(vals) / min(vals))
 
 
-def _lines(title: str, series: dict, keys: Sequence[tuple[str, str]], uirevision: object,
-           height: int, ytitle: str | None = None, yrange=None, log: bool = False) -> dict:
+def _lines(title: str, series: Series, keys: Sequence[tuple[str, str]], uirevision: object,
+           height: int, ytitle: str | None = None, yrange: Sequence[float] | None = None,
+           log: bool = False) -> Figure:
     steps = series.get("step") or []
     layout = _base(title, height, uirevision)
     data = [_scatter(steps, series.get(key) or [], label, SERIES_COLORS[i % 5], len(steps))
@@ -101,13 +104,13 @@ def _lines(title: str, series: dict, keys: Sequence[tuple[str, str]], uirevision
     return {"data": data, "layout": layout}
 
 
-def activation_figure(series: dict, uirevision: object, height: int = 240) -> dict:
+def activation_figure(series: Series, uirevision: object, height: int = 240) -> Figure:
     if not series.get("step"):
         return empty_figure("No activation samples for this module yet.", height)
     return _lines("Activation mean / std", series, [("mean", "mean"), ("std", "std")], uirevision, height)
 
 
-def fractions_figure(series: dict, uirevision: object, height: int = 240) -> dict:
+def fractions_figure(series: Series, uirevision: object, height: int = 240) -> Figure:
     if not series.get("step"):
         return empty_figure("No activation samples for this module yet.", height)
     return _lines("Dead / saturated / zero fraction", series,
@@ -115,7 +118,7 @@ def fractions_figure(series: dict, uirevision: object, height: int = 240) -> dic
                   uirevision, height, yrange=[-0.02, 1.02])
 
 
-def grad_figure(series: dict, uirevision: object, height: int = 240) -> dict:
+def grad_figure(series: Series, uirevision: object, height: int = 240) -> Figure:
     vals = [v for v in (series.get("out_grad_norm") or []) if v is not None]
     if not vals:
         return empty_figure("No output gradients recorded (no backward on sampled steps).", height)
@@ -132,7 +135,7 @@ DETAIL_PANELS = (
 )
 
 
-def detail_series_figure(series: dict, uirevision: object, height: int = 700) -> dict:
+def detail_series_figure(series: Series, uirevision: object, height: int = 700) -> Figure:
     """The module detail's three line charts (activation mean/std, dead/saturated/zero fractions,
     output grad norm) as one figure of three panels sharing the step axis: one plotly draw
     instead of three. Traces in DETAIL_PANELS order; the grad trace only when there are
@@ -185,13 +188,13 @@ def bin_labels(edges: Sequence[float]) -> list[str]:
     if not edges:
         return []
     labels = [f"< {f(edges[0])}"]
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         labels.append("≈ 0" if lo < 0 < hi and abs(lo) <= 1e-6 else f"{f(lo)} … {f(hi)}")
     labels.append(f"≥ {f(edges[-1])}")
     return labels
 
 
-def heatmap_figure(hist: dict, uirevision: object, height: int = 300) -> dict:
+def heatmap_figure(hist: Series, uirevision: object, height: int = 300) -> Figure:
     """Histogram over time: x = step, y = activation bin, colour = share of values."""
     steps, counts = hist.get("step") or [], hist.get("counts") or []
     if not steps:
@@ -217,18 +220,6 @@ def heatmap_figure(hist: dict, uirevision: object, height: int = 300) -> dict:
              "colorbar": {"thickness": 10},
              "hovertemplate": "step %{x}<br>%{y}: %{z:.1%}<extra></extra>"}
     return {"data": [trace], "layout": layout}
-
-
-def severity_figure(counts: dict, height: int = 200) -> dict:
-    sev = ["error", "warning", "info"]
-    layout = _base(None, height, "severity")
-    layout.update(hovermode=False, showlegend=False, margin={"l": 70, "r": 16, "t": 8, "b": 30})
-    layout["yaxis"]["autorange"] = "reversed"
-    layout["xaxis"] = _axis()
-    return {"data": [{"type": "bar", "x": [counts.get(s, 0) for s in sev], "y": sev, "orientation": "h",
-                      "marker": {"color": [SEVERITY_COLORS[s] for s in sev]},
-                      "text": [counts.get(s, 0) for s in sev], "textposition": "auto"}],
-            "layout": layout}
 
 
 def fmt_num(x: object, digits: int = 3) -> str:

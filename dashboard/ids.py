@@ -3,6 +3,10 @@
 Pattern-matching ids are dicts built by the helpers at the bottom.
 """
 
+from __future__ import annotations
+
+from probes.schema import StrEnum
+
 # shell
 URL = "url"
 HEADER = "header"
@@ -11,7 +15,7 @@ NAV_COUNT = "nav-findings-count"
 PAGE = "page"
 BANNER = "banner"
 INTERVAL = "poll-interval"
-TICK = "tick"                  # {"ready", "step", "stats_step", "struct", "n"} - changes when the store changes
+TICK = "tick"                  # dashboard.poll.Tick.to_data(): replaced when the store changed
 SELECTED = "selected-module"   # {"rank", "module_id"}
 EXPANDED = "expanded-nodes"    # list of module ids
 RANK = "rank-select"
@@ -27,7 +31,6 @@ DOWNLOAD_REPORT = "download-report"
 OV_CARDS = "ov-cards"
 OV_LOSS = "ov-loss"
 OV_LOSS_STATE = "ov-loss-state"
-OV_SEVERITY = "ov-severity"
 OV_TOP_FINDINGS = "ov-top-findings"
 OV_ERRORS = "ov-probe-errors"
 
@@ -57,6 +60,10 @@ CMP_FINDINGS = "cmp-findings"
 CMP_KEYS = "cmp-keys"
 CMP_MODULES = "cmp-modules"
 CMP_CHANGED_ONLY = "cmp-changed-only"
+CMP_RESOLVED = "cmp-resolved"
+CMP_APPEARED = "cmp-appeared"
+CMP_KEYS_ADDED = "cmp-keys-added"
+CMP_KEYS_REMOVED = "cmp-keys-removed"
 
 # Clicks on tree rows and findings: rows carry data-action / data-mid attributes and
 # assets/modscope.js writes {"action", "id", "t"} into this store (one listener for the
@@ -65,6 +72,17 @@ CMP_CHANGED_ONLY = "cmp-changed-only"
 UI_CLICK = "ui-click"
 
 
-def click_attrs(action: str, module_id) -> dict:
-    """Attributes that make a component clickable: action 'toggle' | 'select' | 'open'."""
-    return {"data-action": action, "data-mid": "" if module_id is None else str(module_id)}
+class ClickAction(StrEnum):
+    TOGGLE = "toggle"      # expand or collapse a tree node
+    SELECT = "select"      # select a module (tree row)
+    OPEN = "open"          # select a module and open the Modules page (a finding)
+
+
+def click_attrs(action: ClickAction, module_id: int | None) -> dict[str, str]:
+    """Attributes that make a component clickable (read by assets/modscope.js)."""
+    return {"data-action": action.value, "data-mid": "" if module_id is None else str(module_id)}
+
+
+def nav_link(href: str) -> dict[str, str]:
+    """The id of the navigation link to ``href``."""
+    return {"type": "nav", "href": href}

@@ -9,26 +9,30 @@ import datetime as _dt
 import html
 import json
 from pathlib import Path
+from typing import Any
 
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from probes.schema import ModuleKind, Severity, display_path
+
 from . import figures
-from .components import code_label
-from .data import SEVERITIES, Store
+from .components import badge_specs, severity_of
+from .data import Store
+from .paths import assets_dir
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = assets_dir()
 
 
-def esc(x) -> str:
+def esc(x: object) -> str:
     return html.escape("" if x is None else str(x), quote=True)
 
 
-def _fig_html(fig, div_id: str) -> str:
-    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, validate=False,
-                       config={"displaylogo": False, "responsive": True})
+def _fig_html(fig: dict[str, Any], div_id: str) -> str:
+    return str(pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, validate=False,
+                           config={"displaylogo": False, "responsive": True}))
 
 
 def _css() -> str:
@@ -40,15 +44,9 @@ def _css() -> str:
     return "\n".join(parts)
 
 
-def _badges(findings: list[dict], kind: str = "registered") -> str:
-    seen, out = ({"unregistered-module"} if kind != "registered" else set()), []
-    for f in findings:
-        if f["code"] in seen:
-            continue
-        seen.add(f["code"])
-        sev = f["severity"] if f["severity"] in SEVERITIES else "info"
-        out.append(f'<span class="badge sev-{sev}" title="{esc(f["code"])}">{esc(code_label(f["code"]))}</span>')
-    return "".join(out)
+def _badges(findings: list[dict[str, Any]], kind: str = ModuleKind.REGISTERED) -> str:
+    return "".join(f'<span class="badge sev-{b.severity.value}" title="{esc(b.code)}">{esc(b.label)}</span>'
+                   for b in badge_specs(findings, kind))
 
 
 def _tree_html(store: Store, rank: int) -> str:
@@ -56,7 +54,7 @@ def _tree_html(store: Store, rank: int) -> str:
     if not mods:
         return '<p class="muted">No modules recorded.</p>'
     own = store.findings_for_modules(rank, [m["module_id"] for m in mods])
-    kids: dict = {}
+    kids: dict[int, list[dict[str, Any]]] = {}
     roots = []
     ids_present = {m["module_id"] for m in mods}
     for m in mods:
@@ -65,17 +63,20 @@ def _tree_html(store: Store, rank: int) -> str:
         else:
             kids.setdefault(m["parent_id"], []).append(m)
 
-    def node(m, depth: int) -> str:
-        kind = "" if m["kind"] == "registered" else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>'
+    def node(m: dict[str, Any], depth: int) -> str:
+        kind = ("" if m["kind"] == ModuleKind.REGISTERED
+                else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>')
         params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
-        label = f'<span class="tree-label mono">{esc(m["name"] or "(root)")}</span>' \
-                f'<span class="tree-type">{esc(m["type"])}</span>{kind}{_badges(own.get(m["module_id"], []), m["kind"])}{params}'
+        badges = _badges(own.get(m["module_id"], []), m["kind"])
+        label = (f'<span class="tree-label mono">{esc(m["name"] or display_path(m["path"]))}</span>'
+                 f'<span class="tree-type">{esc(m["type"])}</span>{kind}{badges}{params}')
         children = kids.get(m["module_id"], [])
         if not children:
             return f'<li class="leaf kind-{esc(m["kind"])}">{label}</li>'
         inner = "".join(node(c, depth + 1) for c in children)
         opened = " open" if depth < 2 else ""
-        return f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{label}</summary><ul>{inner}</ul></details></li>'
+        return (f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{label}</summary>'
+                f'<ul>{inner}</ul></details></li>')
 
     body = "".join(node(r, 0) for r in roots)
     note = (f'<p class="muted">First {MAX_TREE_NODES:,} modules shown.</p>'
@@ -83,12 +84,12 @@ def _tree_html(store: Store, rank: int) -> str:
     return f'<ul class="report-tree">{body}</ul>{note}'
 
 
-def _findings_html(items: list[dict]) -> str:
+def _findings_html(items: list[dict[str, Any]]) -> str:
     if not items:
         return '<p class="message ok">No active findings.</p>'
     out = []
     for f in items:
-        sev = f["severity"] if f["severity"] in SEVERITIES else "info"
+        sev = severity_of(f["severity"]).value
         ev = ""
         if f.get("evidence"):
             ev = ('<details><summary>evidence</summary><pre class="evidence">'
@@ -97,28 +98,30 @@ def _findings_html(items: list[dict]) -> str:
         out.append(
             f'<div class="finding sev-border-{sev}"><div class="finding-head">'
             f'<span class="pill sev-{sev}">{esc(f["code"])}</span> '
-            f'<span class="mono path">{esc(f["path"] or "(root)")}</span></div>'
+            f'<span class="mono path">{esc(display_path(f["path"]))}</span></div>'
             f'<div class="finding-message">{esc(f["message"])}</div>{fix}{ev}</div>')
     return "".join(out)
 
 
-def _overview_html(ov: dict) -> str:
+def _overview_html(ov: dict[str, Any]) -> str:
     rows = [
         ("Run", ov["run_name"]), ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
         ("Step", ov.get("step")), ("Samples stored", ov.get("samples_stored")),
         ("Samples dropped", ov.get("samples_dropped")), ("Probe errors", ov.get("probe_errors")),
         ("Probe overhead", None if ov.get("overhead") is None else f"{ov['overhead'] * 100:.2f}%"),
-        ("Registered modules", ov["modules"]["registered"]),
-        ("Unregistered modules", ov["modules"]["unregistered"] + ov["modules"]["runtime"]),
+        ("Registered modules", ov["modules"][ModuleKind.REGISTERED]),
+        ("Unregistered modules", ov["modules"][ModuleKind.UNREGISTERED] + ov["modules"][ModuleKind.RUNTIME]),
         ("Parameters", (ov.get("params") or {}).get("total")),
         ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
+        *([("Failed store commits", ov["write_errors"]), ("Last store error", ov.get("last_error"))]
+          if ov.get("write_errors") else []),
         ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", ov.get("path")),
     ]
     trs = "".join(f"<tr><th>{esc(k)}</th><td>{esc(figures.fmt_num(v) if not isinstance(v, str) else v)}</td></tr>"
                   for k, v in rows)
     sev = ov["findings"]
     pills = "".join(f'<span class="pill sev-{s}">{sev[s]} {s}{"s" if sev[s] != 1 else ""}</span> '
-                    for s in SEVERITIES)
+                    for s in Severity)
     return f'<div class="report-overview"><table class="table kv">{trs}</table><div class="sev-row">{pills}</div></div>'
 
 
@@ -148,7 +151,7 @@ def build_report(store: Store, rank: int = 0) -> str:
         series = store.module_series(rank, mid)
         rev = f"r{i}"
         module_sections.append(
-            f'<section class="report-module"><h3 class="mono">{esc(m["path"] or "(root)")} '
+            f'<section class="report-module"><h3 class="mono">{esc(display_path(m["path"]))} '
             f'<span class="tree-type">{esc(m["type"])}</span></h3><div class="charts">'
             + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
             + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")

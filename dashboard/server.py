@@ -3,154 +3,127 @@ the pages. ``create_app(config)`` builds a fresh app; nothing lives at module le
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
+import dataclasses
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import dash
 from dash import Dash, Input, Output, State, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-from flask import Response, request
 
-from . import ids
-from .data import Store, StoreError, StoreNotReady
-from .pages import compare, findings, modules, overview
+from probes.schema import Severity
+
+from . import ids, security
+from .config import AppConfig, Mode
+from .data import StoreError
+from .pages import Page, page_at, pages_for
+from .paths import assets_dir
+from .poll import Tick, banner, callback, header_text, read_tick, reads_store
 from .report import build_report
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TOKEN_COOKIE = "modscope_token"
-TOKEN_HEADER = "X-Modscope-Token"
+__all__ = ["AppConfig", "Mode", "create_app"]
+
+ASSETS = assets_dir()
+CARTESIAN_PLOTLY_PREFIX = "plotly-cartesian-"
 
 
-@dataclass
-class AppConfig:
-    """What the app shows. ``mode``: 'live' (follow a run, poll), 'review' (a snapshot, no
-    polling) or 'compare' (two stores side by side)."""
-    mode: str
-    store: Store | None = None
-    store_b: Store | None = None
-    poll_ms: int = 1000
-    token: str | None = None
-    title: str = "modscope"
-    labels: tuple = ("before", "after")
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def live(self) -> bool:
-        return self.mode == "live"
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def install_token_check(server, token: str) -> None:
-    """Every request must carry the token: ``?token=`` (then remembered in a cookie), the
-    cookie, or the X-Modscope-Token header. Otherwise 401."""
-    expected = token.encode()
-
-    def ok(value: str | None) -> bool:
-        return bool(value) and hmac.compare_digest(value.encode(), expected)
-
-    @server.before_request
-    def _check_token():
-        if ok(request.cookies.get(TOKEN_COOKIE)) or ok(request.headers.get(TOKEN_HEADER)):
-            return None
-        auth = request.headers.get("Authorization", "")
-        if auth.startswith("Bearer ") and ok(auth[7:]):
-            return None
-        if ok(request.args.get("token")):
-            request.environ["modscope.set_cookie"] = True
-            return None
-        return Response("401 Unauthorized: modscope needs the token printed when it started "
-                        "(open the URL with ?token=...).\n", status=401, mimetype="text/plain")
-
-    @server.after_request
-    def _remember_token(resp):
-        if request.environ.get("modscope.set_cookie"):
-            resp.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict")
-        return resp
-
-
-def _safe_filename(name: str) -> str:
+def _safe_filename(name: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("_") or "run"
 
 
-def _use_cartesian_plotly() -> None:
-    """The pages draw scatter, bar and heatmap traces only. assets/plotly-cartesian-4.1.1.min.js
-    (plotly.js's cartesian bundle, 1.5 MB, the version Dash pins) defines window.Plotly, which
-    dcc.Graph uses when present; Dash's own eager copy of the full bundle (4.8 MB) would then only
-    cost a ~0.8 s parse right after the page loads, blocking the first click. Drop it."""
-    dcc._js_dist[:] = [d for d in dcc._js_dist if d.get("namespace") != "plotly"]
+def cartesian_plotly_asset() -> Path | None:
+    """assets/plotly-cartesian-<version>.min.js: plotly.js's cartesian bundle (1.5 MB)."""
+    return next(iter(sorted(ASSETS.glob(f"{CARTESIAN_PLOTLY_PREFIX}*.min.js"))), None)
+
+
+def bundled_plotly_version(asset: Path) -> str | None:
+    """The plotly.js version in the bundle's header comment (``plotly.js (cartesian - minified) v4.1.1``)."""
+    with open(asset, encoding="utf-8", errors="replace") as fh:
+        head = fh.read(400)
+    m = re.search(r"plotly\.js \(cartesian[^)]*\) v(\d+\.\d+\.\d+)", head)
+    return m.group(1) if m else None
+
+
+def dash_plotly_version() -> str:
+    """The plotly.js version Dash serves (the plotly package's bundle, plotly.offline)."""
+    from plotly.offline import get_plotlyjs_version
+    return str(get_plotlyjs_version())
+
+
+def cartesian_plotly_usable() -> bool:
+    """Whether assets/ holds the cartesian bundle of the plotly.js version Dash serves."""
+    asset = cartesian_plotly_asset()
+    return asset is not None and bundled_plotly_version(asset) == dash_plotly_version()
+
+
+def _drop_dash_plotly() -> None:
+    """The pages draw scatter, bar and heatmap traces only. The cartesian bundle in assets/ defines
+    window.Plotly, which dcc.Graph uses when present; Dash's own eager copy of the full bundle
+    (4.8 MB) would then only cost a ~0.8 s parse right after the page loads, blocking the first
+    click: drop it from Dash's (private) script list. Only done when both are the same plotly.js
+    version (``cartesian_plotly_usable``; tests/dashboard/test_dash_app.py checks that they are,
+    and that the page then loads the one bundle)."""
+    dcc._js_dist[:] = [d for d in dcc._js_dist
+                       if not (d.get("namespace") == "plotly"
+                               and str(d.get("relative_package_path", "")).endswith("plotly.min.js"))]
 
 
 def create_app(config: AppConfig) -> Dash:
+    cartesian = cartesian_plotly_usable()
     app = Dash(
         __name__,
         title=config.title,
         assets_folder=str(ASSETS),
+        # a bundle of another plotly.js version than Dash's is not loaded (Dash's full bundle is)
+        assets_ignore="" if cartesian else re.escape(CARTESIAN_PLOTLY_PREFIX) + ".*",
         suppress_callback_exceptions=True,
         update_title=None,
     )
-    if config.token:
-        install_token_check(app.server, config.token)
-    _use_cartesian_plotly()
+    # Host/Origin checks always; the token where there is one (docs/security.md)
+    security.install(app.server, host=config.bind_host, port=config.bind_port, token=config.token)
+    if cartesian:
+        _drop_dash_plotly()
 
-    app.layout = lambda: shell_layout(config)
-    register_shell(app, config)
-    overview.register(app, config)
-    modules.register(app, config)
-    findings.register(app, config)
-    compare.register(app, config)
+    pages = pages_for(config.mode)
+    app.layout = lambda: shell_layout(config, pages)
+    register_shell(app, config, pages)
+    for page in pages:
+        page.register(app, config)
     return app
 
 
-def initial_tick(config: AppConfig, rank: int = 0) -> dict:
-    store = config.store
-    if config.mode == "compare" or store is None:
-        return {"ready": True, "n": 0}
+def header_ranks(config: AppConfig, tick: Tick) -> list[int]:
+    if config.mode is Mode.COMPARE or not tick.ready:
+        return [0]
     try:
-        if not store.ready():
-            return {"ready": False, "n": 0}
-        v = store.version(rank)
-    except StoreNotReady:
-        return {"ready": False, "n": 0}
-    except StoreError as exc:
-        return {"ready": False, "n": 0, "error": str(exc)}
-    return {"ready": True, "n": 0, **v}
+        return config.store.ranks()
+    except StoreError:
+        return [0]
 
 
-def nav_links(config: AppConfig) -> list[tuple[str, str]]:
-    if config.mode == "compare":
-        return [("/", "Compare")]
-    return [("/", "Overview"), ("/modules", "Modules"), ("/findings", "Findings")]
+def nav(pages: tuple[Page, ...]) -> html.Nav:
+    return html.Nav([dcc.Link([page.label, html.Span(id=ids.NAV_COUNT, className="nav-count")]
+                              if page.counts_findings else page.label,
+                              href=page.href, className="nav-link", id=ids.nav_link(page.href))
+                     for page in pages], id=ids.NAV, className="nav")
 
 
-def shell_layout(config: AppConfig) -> html.Div:
-    tick = initial_tick(config)
-    ranks = [0]
-    if config.store is not None and tick.get("ready") and config.mode != "compare":
-        try:
-            ranks = config.store.ranks()
-        except StoreError:
-            ranks = [0]
-    if config.mode == "compare":
+def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
+    tick = read_tick(config)
+    ranks = header_ranks(config, tick)
+    if config.mode is Mode.COMPARE:
+        assert config.store_b is not None
         subtitle = [html.Span("compare", className="mode mode-compare"),
                     html.Span(f"{config.labels[0]}: {config.store.path}", className="run-path"),
                     html.Span(f"{config.labels[1]}: {config.store_b.path}", className="run-path")]
     else:
+        where = str(config.store.where)
         subtitle = [html.Span("live" if config.live else "snapshot",
                               className=f"mode mode-{'live' if config.live else 'review'}"),
-                    html.Span(str(config.store.path), className="run-path", title=str(config.store.path)),
-                    html.Span(id=ids.RUN_STATUS, className="run-status")]
-    export = [] if config.mode == "compare" else [
+                    html.Span(where, className="run-path", title=where),
+                    html.Span(header_text(tick), id=ids.RUN_STATUS, className="run-status")]
+    export = [] if config.mode is Mode.COMPARE else [
         html.Button("⤓ Snapshot", id=ids.EXPORT_SNAPSHOT_BTN, n_clicks=0, className="btn",
                     title="Download a single-file snapshot of this run (open it with --snapshot)"),
         html.Button("⤓ HTML report", id=ids.EXPORT_REPORT_BTN, n_clicks=0, className="btn",
@@ -161,9 +134,7 @@ def shell_layout(config: AppConfig) -> html.Div:
     header = html.Header([
         html.Div([html.Span("mod", className="brand-a"), html.Span("scope", className="brand-b")],
                  className="brand"),
-        html.Nav([dcc.Link([label, html.Span(id=ids.NAV_COUNT, className="nav-count")] if href == "/findings"
-                           else label, href=href, className="nav-link", id={"type": "nav", "href": href})
-                  for href, label in nav_links(config)], id=ids.NAV, className="nav"),
+        nav(pages),
         html.Div(subtitle, className="subtitle"),
         html.Div([
             dcc.Dropdown(id=ids.RANK, options=[{"label": f"rank {r}", "value": r} for r in ranks],
@@ -175,98 +146,78 @@ def shell_layout(config: AppConfig) -> html.Div:
     return html.Div([
         dcc.Location(id=ids.URL, refresh=False),
         dcc.Interval(id=ids.INTERVAL, interval=config.poll_ms, disabled=not config.live),
-        dcc.Store(id=ids.TICK, data=tick),
+        dcc.Store(id=ids.TICK, data=tick.to_data()),
         dcc.Store(id=ids.SELECTED, data=None),
         dcc.Store(id=ids.EXPANDED, data=None),
         dcc.Store(id=ids.UI_CLICK, data=None),
         header,
-        html.Div(id=ids.BANNER, className="banner", children=_banner(tick, config)),
+        html.Div(id=ids.BANNER, className="banner",
+                 children=[] if config.mode is Mode.COMPARE else banner(tick, config.store)),
         html.Main(id=ids.PAGE, className="page"),
     ], className="app")
 
 
-def _banner(tick: dict, config: AppConfig):
-    if tick.get("error"):
-        return html.Div(tick["error"], className="banner-error")
-    if not tick.get("ready"):
-        return html.Div(f"Waiting for the first sample in {config.store.path} …",
-                        className="banner-wait")
-    return None
+def findings_count(counts: dict[str, int]) -> tuple[str, str]:
+    """The number of active findings next to "Findings", and its class (coloured by the worst)."""
+    total = sum(counts.values())
+    worst = next((s for s in Severity if counts.get(s)), None)
+    return (str(total) if total else ""), f"nav-count sev-{worst.value}" if worst else "nav-count"
 
 
-def register_shell(app: Dash, config: AppConfig) -> None:
-    @app.callback(Output(ids.PAGE, "children"), Output({"type": "nav", "href": dash.ALL}, "className"),
+def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> None:
+    store = config.store
+
+    @callback(app, Output(ids.PAGE, "children"), Output(ids.nav_link(dash.ALL), "className"),
                   Input(ids.URL, "pathname"))
-    def route(pathname):
-        pathname = pathname or "/"
-        hrefs = [h for h, _ in nav_links(config)]
-        classes = ["nav-link active" if h == pathname or (h == "/" and pathname not in hrefs)
-                   else "nav-link" for h in hrefs]
-        if config.mode == "compare":
-            return compare.layout(config), classes
-        if pathname.startswith("/modules"):
-            return modules.layout(config), classes
-        if pathname.startswith("/findings"):
-            return findings.layout(config), classes
-        return overview.layout(config), classes
+    def route(pathname: str | None) -> tuple[Any, list[str]]:
+        page = page_at(pages, pathname)
+        return page.layout(config), ["nav-link active" if p is page else "nav-link" for p in pages]
+
+    if config.mode is Mode.COMPARE:
+        return
 
     if config.live:
-        @app.callback(Output(ids.TICK, "data"), Output(ids.BANNER, "children"),
+        @callback(app, Output(ids.TICK, "data"), Output(ids.BANNER, "children"),
                       Input(ids.INTERVAL, "n_intervals"), State(ids.TICK, "data"),
                       State(ids.RANK, "value"))
-        def poll(_n, tick, rank):
-            new = initial_tick(config, rank or 0)
-            old = dict(tick or {})
-            if {k: v for k, v in new.items() if k != "n"} == {k: v for k, v in old.items() if k != "n"}:
+        def poll(_n: int | None, tick: object, rank: int | None) -> tuple[Any, Any]:
+            old, new = Tick.from_data(tick), read_tick(config, rank or 0)
+            if new.same_content(old):
                 raise PreventUpdate
-            new["n"] = int(old.get("n", 0)) + 1
-            return new, _banner(new, config)
+            new = dataclasses.replace(new, n=old.n + 1)
+            return new.to_data(), banner(new, store)
 
-    if config.mode != "compare":
-        @app.callback(Output(ids.RUN_STATUS, "children"), Input(ids.TICK, "data"))
-        def run_status(tick):
-            if not tick or not tick.get("ready"):
-                return "waiting"
-            struct = tick.get("struct") or [None, None, None]
-            status = (struct[2] or [None])[0]
-            return f"step {tick.get('step')}" + (f" · {status}" if status else "")
+    @callback(app, Output(ids.RUN_STATUS, "children"), Input(ids.TICK, "data"))
+    def run_status(tick: object) -> str:
+        return header_text(Tick.from_data(tick))
 
-        @app.callback(Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
-                      Input(ids.TICK, "data"), Input(ids.RANK, "value"))
-        def findings_count(tick, rank):
-            """The number of active findings next to "Findings", coloured by the worst."""
-            if not tick or not tick.get("ready"):
-                return "", "nav-count"
-            try:
-                sev = config.store.overview(rank or 0)["findings"]
-            except StoreError:
-                raise PreventUpdate
-            total = sum(sev.values())
-            worst = next((s for s in ("error", "warning", "info") if sev.get(s)), None)
-            return (str(total) if total else ""), f"nav-count sev-{worst}" if worst else "nav-count"
+    @callback(app, Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
+                  Input(ids.TICK, "data"), Input(ids.RANK, "value"))
+    @reads_store(store, waiting=lambda _text: ("", "nav-count"))
+    def update_findings_count(tick: Tick, rank: int | None) -> tuple[str, str]:
+        return findings_count(store.overview(rank or 0)["findings"])
 
-        @app.callback(Output(ids.DOWNLOAD_SNAPSHOT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
-                      Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), prevent_initial_call=True)
-        def download_snapshot(n):
-            if not n:
-                raise PreventUpdate
-            try:
-                data = config.store.snapshot_bytes()
-                ov = config.store.overview()
-            except StoreError as exc:
-                return no_update, html.Div(f"Snapshot failed: {exc}", className="banner-error")
-            name = f"{_safe_filename(ov.get('run_name'))}-step{ov.get('step')}.sqlite"
-            return dcc.send_bytes(data, filename=name), no_update
+    def failed_download(what: str) -> Any:
+        return lambda text: (no_update, html.Div(f"{what} failed: {text}", className="banner-error"))
 
-        @app.callback(Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
-                      Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.RANK, "value"), prevent_initial_call=True)
-        def download_report(n, rank):
-            if not n:
-                raise PreventUpdate
-            try:
-                text = build_report(config.store, rank or 0)
-                ov = config.store.overview(rank or 0)
-            except StoreError as exc:
-                return no_update, html.Div(f"Report failed: {exc}", className="banner-error")
-            return (dcc.send_string(text, filename=f"{_safe_filename(ov.get('run_name'))}-report.html"),
-                    no_update)
+    @callback(app, Output(ids.DOWNLOAD_SNAPSHOT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
+                  Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), prevent_initial_call=True)
+    @reads_store(store, failed=failed_download("Snapshot"), tick_first=False)
+    def download_snapshot(n: int | None) -> tuple[Any, Any]:
+        if not n:
+            raise PreventUpdate
+        data = store.snapshot_bytes()
+        ov = store.overview()
+        name = f"{_safe_filename(ov.get('run_name'))}-step{ov.get('step')}.sqlite"
+        return dcc.send_bytes(data, filename=name), no_update
+
+    @callback(app, Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
+                  Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.RANK, "value"), prevent_initial_call=True)
+    @reads_store(store, failed=failed_download("Report"), tick_first=False)
+    def download_report(n: int | None, rank: int | None) -> tuple[Any, Any]:
+        if not n:
+            raise PreventUpdate
+        text = build_report(store, rank or 0)
+        ov = store.overview(rank or 0)
+        return (dcc.send_string(text, filename=f"{_safe_filename(ov.get('run_name'))}-report.html"),
+                no_update)

@@ -52,6 +52,7 @@ __all__ = [
     "RunStatus",
     "Severity",
     "StoreName",
+    "StrEnum",
     "TensorKind",
     "WriterState",
     "WriterStatus",

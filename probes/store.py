@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .records import Op
-from .schema import DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
+from .schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
 WAKE_AT = 64              # queued items that wake the writer early
@@ -68,7 +68,9 @@ def connect_writer(path: str | os.PathLike[str], journal: str = "wal") -> sqlite
                                      f"writes version {SCHEMA_VERSION}. Upgrade modscope or use a new run_dir.")
                 conn.execute(f"PRAGMA journal_mode={'WAL' if journal == 'wal' else 'DELETE'}")
                 conn.execute("PRAGMA synchronous=NORMAL")   # durable against a killed process; commits are atomic
-                conn.executescript(f"BEGIN IMMEDIATE; {DDL}; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+                upgrade = "".join(f"ALTER TABLE {table} ADD COLUMN {column} {decl};"
+                                  for table, column, decl in _missing_columns(conn)) if 0 < version else ""
+                conn.executescript(f"BEGIN IMMEDIATE; {DDL}; {upgrade} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
                 return conn
             except sqlite3.OperationalError as exc:
                 text = str(exc)
@@ -106,6 +108,29 @@ def _with_free_space(path: Path, sqlite_says: str) -> str:
     if free < LOW_SPACE_BYTES:
         return f"the disk is full: {free:,} bytes free; SQLite says: {sqlite_says}"
     return sqlite_says
+
+
+def _missing_columns(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
+    """Columns added since an older store was written: (table, column, declaration) to add."""
+    out = []
+    for table, added in ADDED_COLUMNS.items():
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        if not have:
+            continue                   # the table itself is new: the DDL creates it whole
+        decl = _declarations(table)
+        out += [(table, column, decl[column]) for column, _ in added if column not in have]
+    return out
+
+
+def _declarations(table: str) -> dict[str, str]:
+    """Column declarations of ``table`` as the DDL writes them (type and default, no comment)."""
+    body = DDL.split(f"CREATE TABLE IF NOT EXISTS {table} (", 1)[1].split("\n);", 1)[0]
+    out = {}
+    for line in body.splitlines():
+        words = line.split("--", 1)[0].strip().rstrip(",").split()
+        if len(words) >= 2 and words[0].isidentifier() and words[0].upper() != "PRIMARY":
+            out[words[0]] = " ".join(words[1:])
+    return out
 
 
 def _remove_store_files(path: Path) -> None:

@@ -14,10 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import math
 import os
-import platform
-import socket
 import threading
 import time
 import weakref
@@ -29,24 +26,21 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import decode, measure, records
-from ._version import __version__
+from . import measure, records
 from .capture import StepCapture, StepRecord
-from .causes import assign_causes
-from .detectors import BypassCandidate, DynamicDetectors, StepEvidence
-from .events import EventBook, SampledEvents
+from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
 from .model_index import IdRegistry, ModelIndex, build_index, model_signature
-from .rundir import RunFiles, WriterLock, journal_mode
+from .records import Op
+from .rundir import RunFiles
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
-from .schema import RunStatus, snapshot
+from .schema import RunStatus
 from .sentinels import RootSentinel
-from .store import StoreWriter
+from .session import StoreSession
 from .structural import structural_findings
 from .structure import ModuleNode
-from .tracker import FindingTracker
 
 # Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older
 # unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
@@ -56,7 +50,6 @@ THIN_EVERY = 250              # sampled steps between thinning passes (run by th
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
 MAX_PENDING_LOSSES = 64       # device losses read together (with a sampled step's copy, or at this many)
-HEARTBEAT_S = 5.0             # the store's heartbeat (ranks.updated_at) moves at least this often while training
 
 
 @dataclasses.dataclass
@@ -89,17 +82,12 @@ class Watcher:
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
         self._policy = SamplingPolicy(every, overhead)
-        self._detectors = DynamicDetectors(window)
-        self._tracker = FindingTracker(rank)
+        self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._runtime = RuntimeModules(self._ids)
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, _is_compiled(model))
-        self._static: list[Finding] = []
-        self._dynamic: list[Finding] = []             # the detectors' view at the last sampled step
-        self._events = EventBook()
         self._sentinel = RootSentinel(self._probe)
-        self._moved: dict[int, int] = {}
         self._stepped: set[int] = set()
         self._sample_index = 0
         self._unread: UnreadSample | None = None
@@ -107,31 +95,11 @@ class Watcher:
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
         self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._opt_handles: list[RemovableHandle] = []
-        self._last_counters = 0.0
-        self._write_errors_logged = 0
-        self._recoveries_seen = 0
-
-        self._lock = WriterLock(self.files)
-        self._lock.acquire()
-        journal = journal_mode(run_dir)
-        try:
-            self._writer = StoreWriter(self.store_path, journal=journal)
-        except BaseException:
-            self._lock.release()
-            self.files.status.unlink(missing_ok=True)
-            raise
-        now = time.time()
-        # kept: written again if the store missed writes (a full disk)
-        self._identity_ops = [
-            *records.meta_ops(run_name, now, {"rank_count": world_size, "world_size": world_size, "run_id": run_id,
-                                              "journal_mode": journal, "modscope_version": __version__}),
-            *records.rank_ops({
-                "rank": rank, "world_size": world_size, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-                "torch_version": torch.__version__, "python_version": platform.python_version(),
-                "device": _model_device(model), "sampling": {"every": every, "overhead": overhead, "window": window},
-                "started_at": now, "updated_at": now, "status": RunStatus.RUNNING, "step": 0})]
-        self._writer.submit(self._identity_ops, droppable=False)
+        self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
+                                   model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+                                   device=_model_device(model),
+                                   sampling={"every": every, "overhead": overhead, "window": window})
+        self._writer = self._store.writer
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, model)
         for oi, opt in enumerate(self._optimizers):
@@ -170,7 +138,7 @@ class Watcher:
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
             self._preview_step()
-        return self._tracker.active()
+        return self._evaluator.active()
 
     def snapshot(self, path: str | os.PathLike[str]) -> str | Path:
         """Write a single-file snapshot (SQLite) of the run so far and return its path (a str when given a
@@ -184,8 +152,8 @@ class Watcher:
             self._flush_losses()
             self._write_counters()
             self._writer.flush()
-        written = snapshot(self.files.siblings() or [self.store_path], path)
-        return str(written) if isinstance(path, str) else written
+        written = self._store.snapshot(path)
+        return str(written) if isinstance(path, str) else Path(written)
 
     def close(self) -> None:
         """Remove every hook, flush and close the store. Idempotent."""
@@ -202,16 +170,15 @@ class Watcher:
             self._opt_handles.clear()
             self._flush_losses()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
-            self._observe_forwards(self._probe.step, step_ended=True)
-            if self._events.changed:
+            self._observe_forwards(self._probe.step)
+            if self._evaluator.changed:
                 self._publish(self._probe.step, sampled=False)
             self._sentinel.detach()
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
         finally:
-            self._writer.close()
-            self._lock.release()
+            self._store.close()
             with contextlib.suppress(Exception):
                 atexit.unregister(self._atexit)
             self._optimizers = []
@@ -220,6 +187,13 @@ class Watcher:
             self._runtime.clear()
             self._pending_losses.clear()
             measure.release_caches()
+
+    def show(self, *, height: int = 650) -> str | None:
+        """Show this run's live dashboard inline in a Jupyter notebook and print its URL (see
+        :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1). Calling it again
+        shows the same server again. Returns the URL, or None when the dashboard could not start."""
+        from .notebook import show
+        return show(self.store_path, height=height)
 
     @property
     def closed(self) -> bool:
@@ -248,7 +222,7 @@ class Watcher:
         self._capture.clear()            # cached views must not outlive the index's tensors
         index = build_index(model, self._optimizers, self._ids, self._runtime.nodes())
         step = self._probe.step
-        self._static = structural_findings(index.structure, step=step)
+        self._evaluator.static = structural_findings(index.structure, step=step)
         if index.structure.walk_truncated:
             self._probe.errors.record_message(
                 "structure-walk", "WalkTruncated", "the walk over the model's attributes stopped early (too many "
@@ -303,7 +277,7 @@ class Watcher:
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
-            self._observe_forwards(step, step_ended=True)
+            self._observe_forwards(step)
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
@@ -312,15 +286,13 @@ class Watcher:
         # with unsampled steps); the probe's own time: hooks during the step plus finishing
         step_ms = (t_done - self._probe.step_t0) * 1e3
         probe_ms = self._probe.probe_s * 1e3 + (t_done - t_end) * 1e3
-        if self._events.changed:                  # an event on a step whose sample is not read yet (or unsampled)
+        if self._evaluator.changed:               # an event on a step whose sample is not read yet (or unsampled)
             with self._probe.guard("step-sentinels"):
                 self._publish(step, sampled=False)
         self._policy.observe(step, step_ms, probe_ms, sampled)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
-        if sampled or self._probe.errors.dirty or time.monotonic() - self._last_counters >= HEARTBEAT_S \
-                or self._writer.recoveries != self._recoveries_seen \
-                or self._writer.write_errors != self._write_errors_logged:
-            self._write_counters()
+        if sampled or self._store.counters_due(self._probe.errors):
+            self._write_counters(last_step=step)
         self._stepped.clear()
         self._capture.detach()
         self._probe.start_step(step + 1)
@@ -354,7 +326,7 @@ class Watcher:
         if loss_slots:
             now = time.time()
             for s, slot in loss_slots:
-                self._events.observe_loss(s, values[slot][0])
+                self._evaluator.loss(s, values[slot][0])
             self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._recent_samples.append(step)
@@ -362,55 +334,30 @@ class Watcher:
             cutoff = self._recent_samples[-THIN_RECENT]
             self._writer.submit(records.thin_ops(self.rank, cutoff, max(1, -(-cutoff // THIN_OLD))),
                                 droppable=False)
-        index = self._index
-        modules = decode.module_samples(step, rec, values)
-        tensors = decode.tensor_samples(step, rec, values, lambda tid: index.tensors[tid].numel)
-        module_samples = {mid: m.sample for mid, m in modules.items()}
-        self._detectors.observe(module_samples, tensors)
-        ops = [records.module_stats_op(decode.module_stat_rows(self.rank, step, modules)),
-               records.param_stats_op(decode.param_stat_rows(self.rank, step, tensors))]
-        moved = decode.moved_changes(tensors, self._moved)
-        if moved:
-            self._moved.update(moved)
-            ops.append(records.moved_op(self.rank, moved))
+        decoded, ops = self._evaluator.decode(step, rec, values, self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
-        index = self._index
-        bad_modules = sorted(((s.order, mid, s.nonfinite) for mid, s in module_samples.items() if s.nonfinite))
-        self._events.observe_sample(SampledEvents(
-            step=step, modes=rec.modes, called=frozenset(m for m, n in rec.calls.items() if n),
-            arrived=frozenset(rec.arrived), owners=index.owners, bypass=_bypass_candidates(rec, index),
-            bad_modules=[(mid, n) for _, mid, n in bad_modules],
-            bad_grads=sorted(t for t, ts in tensors.items() if ts.grad_norm is not None and
-                             not math.isfinite(ts.grad_norm) and index.tensor_known(t)),
-            optimizer_skipped=bool(self._optimizers) and not rec.optimizer_stepped), index)
-        self._dynamic = self._detectors.evaluate(index, StepEvidence(step, module_samples, tensors,
-                                                                     rec.optimizer_stepped))
-        self._publish(step, sampled=True)
+        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.findings(),
+                                                     bool(self._optimizers)), droppable=False)
 
-    def _publish(self, step: int, sampled: bool, events: EventBook | None = None) -> None:
-        """Findings now: structure, run-time modules, the detectors' last view and the events, each
-        consequence naming its cause; the difference goes to the store."""
-        book = events or self._events
-        index = self._index
-        current = assign_causes([*self._static, *self._runtime.findings(), *self._dynamic, *book.findings(index)])
-        self._writer.submit(self._tracker.update(step, current, index, sampled), droppable=False)
-        book.changed = False
+    def _publish(self, step: int, sampled: bool) -> None:
+        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.findings(), sampled),
+                            droppable=False)
 
-    def _observe_forwards(self, step: int, step_ended: bool, book: EventBook | None = None) -> None:
-        """Hand what the root sentinel saw since the last boundary to the event book."""
-        log = self._sentinel.take() if book is None else dataclasses.replace(self._sentinel.log)
-        if not log.empty():
-            (book or self._events).observe_forwards(step, log, [p for p, _ in self._sentinel.mode_sensitive],
-                                                    step_ended)
+    def _observe_forwards(self, step: int) -> None:
+        """What the root sentinel saw since the last boundary, which ends here."""
+        self._evaluator.forwards(step, self._sentinel.take(), self._mode_sensitive(), step_ended=True)
+
+    def _mode_sensitive(self) -> list[str]:
+        return [p for p, _ in self._sentinel.mode_sensitive]
 
     def _preview_step(self) -> None:
         """Evaluate the step in progress (findings(), snapshot()) without ending it."""
         with self._probe.guard("preview"):
-            book = self._events.copy()
-            self._observe_forwards(self._probe.step, step_ended=False, book=book)
-            if book.changed:
-                self._publish(self._probe.step, sampled=False, events=book)
+            ops = self._evaluator.preview(self._probe.step, dataclasses.replace(self._sentinel.log),
+                                          self._mode_sensitive(), self._index, self._runtime.findings())
+            if ops:
+                self._writer.submit(ops, droppable=False)
 
     # ===================================================================== losses and counters
     def _record_loss(self, step: int, loss: Any) -> None:
@@ -425,7 +372,7 @@ class Watcher:
             loss = float(loss.reshape(-1)[0]) if loss.numel() else None
         elif loss is not None:
             loss = float(loss)
-        self._events.observe_loss(step, loss)
+        self._evaluator.loss(step, loss)
         self._writer.submit([records.loss_op(self.rank, step, time.time(), loss)])
 
     def _flush_losses(self) -> None:
@@ -434,47 +381,24 @@ class Watcher:
         pending, self._pending_losses = self._pending_losses, []
         vals = torch.stack([v.reshape(-1)[0].float() for _, v in pending]).cpu().tolist()
         for (s, _), v in zip(pending, vals, strict=True):
-            self._events.observe_loss(s, v)
+            self._evaluator.loss(s, v)
         now = time.time()
         self._writer.submit([records.loss_op(self.rank, s, now, v)
                              for (s, _), v in zip(pending, vals, strict=True)])
 
-    def _write_counters(self, status: RunStatus = RunStatus.RUNNING, closed_at: float | None = None) -> None:
-        self._last_counters = time.monotonic()
-        writer, errors = self._writer, self._probe.errors
-        if writer.write_errors != self._write_errors_logged and writer.last_error:
-            # failed commits are probe errors too: counted, with SQLite's message
-            errors.record_message("store-write", writer.last_error.split(":", 1)[0], writer.last_error,
-                                  self._probe.step, count=writer.write_errors - self._write_errors_logged)
-            self._write_errors_logged = writer.write_errors
-        ops = []
-        if writer.recoveries != self._recoveries_seen:
-            # commits succeed again: write again what the failed ones held (identity, tree, findings)
-            self._recoveries_seen = writer.recoveries
-            s = self._index.structure
-            ops += [*self._identity_ops, *records.structure_ops(self.rank, s.modules, s.tensors, self._probe.step),
-                    *records.structure_ops(self.rank, self._runtime.nodes(), [], self._probe.step),
-                    *self._tracker.rewrite_ops(self._probe.step)]
-            errors.dirty = True
-        ops.append(records.rank_counters_op(self.rank, self._probe.step, time.time(), writer.written, writer.dropped,
-                                            errors.total, self._policy.overhead(), status, closed_at,
-                                            writer.write_errors, writer.last_error))
-        if errors.dirty:
-            ops.append(records.errors_op(self.rank, errors.entries))
-            errors.dirty = False
-        self._writer.submit(ops, droppable=False)
+    def _write_counters(self, status: RunStatus = RunStatus.RUNNING, closed_at: float | None = None,
+                        last_step: int | None = None) -> None:
+        """``last_step``: the last finished step (default: the one before the step in progress)."""
+        step = self._probe.step - 1 if last_step is None else last_step
+        self._store.write_counters(max(step, 0), self._probe.errors, self._policy.overhead(), self._lost_writes,
+                                   status, closed_at)
 
-
-def _bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidate]:
-    """Tensors that got a gradient in a step in which none of their modules was called through __call__."""
-    if not rec.calls:
-        return []
-    out = []
-    for tid in sorted(rec.arrived):
-        owners = index.owners.get(tid, ())
-        if owners and not any(rec.calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
-            out.append(BypassCandidate(tid, owners))
-    return out
+    def _lost_writes(self) -> list[Op]:
+        """What failed commits may have held, written again once commits succeed: the tree, the findings."""
+        s, step = self._index.structure, self._probe.step
+        return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
+                *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
+                *self._evaluator.tracker.rewrite_ops(step)]
 
 
 def _is_compiled(model: nn.Module) -> bool:

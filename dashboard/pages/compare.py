@@ -6,20 +6,24 @@ then (a) and now (b), matched by normalised path (``blocks[0]`` ~ ``blocks.0``).
 
 from __future__ import annotations
 
-from dash import Input, Output, dcc, html
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dash import Dash, Input, Output, dcc, html
+
+from probes.schema import display_path
 
 from .. import figures, ids
-from ..components import badge, kind_badge, message, severity_pill, table
-from ..data import StoreError, StoreNotReady, compare_stores
+from ..components import finding_badges, kind_badge, message, severity_pill, table
+from ..config import AppConfig
+from ..data import compare_stores
+from ..poll import callback, reads_store
 
 MAX_ROWS = 500
 MAX_KEYS_SHOWN = 300
 
 
-def layout(config) -> html.Div:
-    if config.mode != "compare":
-        return html.Div(message("Start with  python app.py --compare A B  to compare two runs or snapshots."),
-                        className="panel")
+def layout(config: AppConfig) -> html.Div:
     a, b = config.labels
     return html.Div([
         html.Div(id=ids.CMP_SUMMARY, className="panel"),
@@ -34,7 +38,7 @@ def layout(config) -> html.Div:
     ], className="compare")
 
 
-def summary_table(cmp: dict, labels) -> html.Div:
+def summary_table(cmp: dict[str, Any], labels: Sequence[str]) -> html.Div:
     rows = []
     for r in cmp["summary"]:
         rows.append([r["metric"], html.Td(figures.fmt_num(r["a"]) if not isinstance(r["a"], str) else r["a"],
@@ -50,26 +54,26 @@ def summary_table(cmp: dict, labels) -> html.Div:
     ])
 
 
-def findings_block(cmp: dict, labels) -> list:
-    def items(fs, cls):
+def findings_block(cmp: dict[str, Any], labels: Sequence[str]) -> list[Any]:
+    def items(fs: list[dict[str, Any]], cls: str) -> list[Any]:
         if not fs:
             return [message("none")]
-        return [html.Div([severity_pill(f["severity"], f["code"]), html.Span(f["path"] or "(root)",
+        return [html.Div([severity_pill(f["severity"], f["code"]), html.Span(display_path(f["path"]),
                                                                              className="mono path")],
                          className=f"cmp-finding {cls}") for f in fs[:MAX_ROWS]]
     return [
         html.H3("Findings"),
         html.H4(f"Resolved in {labels[1]} ({len(cmp['findings_resolved'])})", className="good"),
-        html.Div(items(cmp["findings_resolved"], "resolved"), id="cmp-resolved"),
+        html.Div(items(cmp["findings_resolved"], "resolved"), id=ids.CMP_RESOLVED),
         html.H4(f"Appeared in {labels[1]} ({len(cmp['findings_appeared'])})", className="bad"),
-        html.Div(items(cmp["findings_appeared"], "appeared"), id="cmp-appeared"),
+        html.Div(items(cmp["findings_appeared"], "appeared"), id=ids.CMP_APPEARED),
         html.H4(f"Still present ({len(cmp['findings_persisting'])})"),
         html.Div(items(cmp["findings_persisting"], "persisting")),
     ]
 
 
-def keys_block(cmp: dict, labels) -> list:
-    def keylist(keys, sign, cls):
+def keys_block(cmp: dict[str, Any], labels: Sequence[str]) -> list[Any]:
+    def keylist(keys: list[str], sign: str, cls: str) -> list[Any]:
         if not keys:
             return [message("none")]
         shown = [html.Div(f"{sign} {k}", className=f"mono key {cls}") for k in keys[:MAX_KEYS_SHOWN]]
@@ -80,17 +84,17 @@ def keys_block(cmp: dict, labels) -> list:
         html.H3("Checkpoint keys (state_dict)"),
         html.Div(f"{cmp['keys_common']:,} keys in both", className="muted"),
         html.H4(f"Added in {labels[1]} ({len(cmp['keys_added'])})", className="good"),
-        html.Div(keylist(cmp["keys_added"], "+", "added"), id="cmp-keys-added"),
+        html.Div(keylist(cmp["keys_added"], "+", "added"), id=ids.CMP_KEYS_ADDED),
         html.H4(f"Removed in {labels[1]} ({len(cmp['keys_removed'])})", className="bad"),
-        html.Div(keylist(cmp["keys_removed"], "−", "removed"), id="cmp-keys-removed"),
+        html.Div(keylist(cmp["keys_removed"], "−", "removed"), id=ids.CMP_KEYS_REMOVED),
     ]
 
 
-def _codes(codes):
-    return [badge(c["code"], c["severity"]) for c in codes] if codes else "–"
+def _codes(codes: list[dict[str, Any]]) -> Any:
+    return finding_badges(codes) if codes else "–"
 
 
-def _pair(a, b, fmt=figures.fmt_num) -> html.Td:
+def _pair(a: Any, b: Any, fmt: Callable[[Any], str] = figures.fmt_num) -> html.Td:
     """One "then → now" cell, highlighted when the value changed."""
     fa = "–" if a is None else fmt(a)
     fb = "–" if b is None else fmt(b)
@@ -100,13 +104,13 @@ def _pair(a, b, fmt=figures.fmt_num) -> html.Td:
                    className="num changed")
 
 
-def _kind_pair(a, b) -> html.Td:
+def _kind_pair(a: str | None, b: str | None) -> html.Td:
     if a == b:
         return html.Td(kind_badge(b) or b)
     return html.Td([kind_badge(a) or (a or "–"), " → ", kind_badge(b) or (b or "–")], className="changed")
 
 
-def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
+def modules_table(cmp: dict[str, Any], changed_only: bool, labels: Sequence[str]) -> html.Div:
     mods = [m for m in cmp["modules"] if m["changed"] or not changed_only]
     a, b = labels
     rows = []
@@ -114,7 +118,7 @@ def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
         path = m["path_b"] if m["path_b"] is not None else m["path_a"]
         moved = m["path_a"] is not None and m["path_b"] is not None and m["path_a"] != m["path_b"]
         rows.append([
-            html.Td([html.Span(path or "(root)", className="mono"),
+            html.Td([html.Span(display_path(path), className="mono"),
                      html.Div(f"was {m['path_a']}", className="muted mono") if moved else None,
                      html.Div(f"only in {a}" if m["path_b"] is None else f"only in {b}", className="muted")
                      if m["path_a"] is None or m["path_b"] is None else None]),
@@ -134,19 +138,15 @@ def modules_table(cmp: dict, changed_only: bool, labels) -> html.Div:
                            rows, "cmp-modules-table"), note], className="table-scroll")
 
 
-def register(app, config) -> None:
-    if config.mode != "compare":
-        return
+def register(app: Dash, config: AppConfig) -> None:
+    store_a, store_b = config.store, config.store_b
+    assert store_b is not None     # AppConfig checks it in compare mode
 
-    @app.callback(Output(ids.CMP_SUMMARY, "children"), Output(ids.CMP_FINDINGS, "children"),
+    @callback(app, Output(ids.CMP_SUMMARY, "children"), Output(ids.CMP_FINDINGS, "children"),
                   Output(ids.CMP_KEYS, "children"), Output(ids.CMP_MODULES, "children"),
                   Input(ids.CMP_CHANGED_ONLY, "value"))
-    def render(changed_only):
-        try:
-            cmp = compare_stores(config.store, config.store_b)
-        except StoreNotReady as exc:
-            return message(str(exc), "wait"), None, None, None
-        except StoreError as exc:
-            return message(str(exc), "bad"), None, None, None
+    @reads_store(store_a, failed=lambda text: (message(text, "bad"), None, None, None), tick_first=False)
+    def render(changed_only: list[str] | None) -> tuple[Any, ...]:
+        cmp = compare_stores(store_a, store_b)
         return (summary_table(cmp, config.labels), findings_block(cmp, config.labels),
                 keys_block(cmp, config.labels), modules_table(cmp, bool(changed_only), config.labels))

@@ -3,19 +3,26 @@ Clicking one selects its module and opens the Modules page."""
 
 from __future__ import annotations
 
-from dash import Input, Output, dcc, html
-from dash.exceptions import PreventUpdate
+from collections.abc import Sequence
+from typing import Any
+
+from dash import Dash, Input, Output, dcc, html
+
+from probes.schema import Severity
 
 from .. import ids
-from ..components import finding_card, message, severity_pill
-from ..data import SEVERITIES, StoreError, StoreNotReady
+from ..components import finding_card, message, severity_of, severity_pill
+from ..config import AppConfig
+from ..poll import Tick, callback, plural, reads_store
+
+MAX_SHOWN = 300   # cards drawn at once (each is a handful of components)
 
 
-def layout(config) -> html.Div:
+def layout(config: AppConfig) -> html.Div:
     return html.Div([
         html.Div([
-            dcc.Checklist(id=ids.FINDINGS_SEVERITY, options=[{"label": s, "value": s} for s in SEVERITIES],
-                          value=list(SEVERITIES), inline=True, className="sev-check"),
+            dcc.Checklist(id=ids.FINDINGS_SEVERITY, options=[{"label": s.value, "value": s.value} for s in Severity],
+                          value=[s.value for s in Severity], inline=True, className="sev-check"),
             dcc.Checklist(id=ids.FINDINGS_SHOW_RESOLVED, options=[{"label": "show resolved", "value": "yes"}],
                           value=[], inline=True),
         ], className="findings-tools"),
@@ -23,46 +30,36 @@ def layout(config) -> html.Div:
     ], className="panel findings-page")
 
 
-MAX_SHOWN = 300   # cards drawn at once (each is a handful of components)
-
-
-def finding_list(items: list[dict], severities: list[str]) -> list:
-    shown = [f for f in items if f["severity"] in severities or f["severity"] not in SEVERITIES]
+def finding_list(items: list[dict[str, Any]], severities: Sequence[str]) -> list[Any]:
+    """The cards of ``items`` whose severity is checked (one this version does not know counts as
+    info), with a count per severity."""
+    shown = [f for f in items if severity_of(f["severity"]).value in severities]
     if not shown:
         return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
-    out = []
-    counts = {s: sum(1 for f in shown if f["severity"] == s) for s in SEVERITIES}
-    out.append(html.Div([severity_pill(s, f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}")
-                         for s in SEVERITIES if counts[s]], className="sev-row findings-summary"))
-    for i, f in enumerate(shown[:MAX_SHOWN]):
+    counts = {s: sum(1 for f in shown if severity_of(f["severity"]) is s) for s in Severity}
+    out: list[Any] = [html.Div([severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]],
+                               className="sev-row findings-summary")]
+    for f in shown[:MAX_SHOWN]:
         mid = f["module_id"] if f["module_id"] is not None else -1
         out.append(finding_card(f, title="click to show this module", className="clickable",
-                                **ids.click_attrs("open", mid)))
+                                **ids.click_attrs(ids.ClickAction.OPEN, mid)))
     if len(shown) > MAX_SHOWN:
         out.append(message(f"first {MAX_SHOWN} of {len(shown):,} findings shown: narrow by severity, or "
                            "filter the module tree by finding"))
     return out
 
 
-def register(app, config) -> None:
-    if config.mode == "compare":
-        return
+def register(app: Dash, config: AppConfig) -> None:
     store = config.store
 
-    @app.callback(Output(ids.FINDINGS_LIST, "children"), Input(ids.TICK, "data"),
+    @callback(app, Output(ids.FINDINGS_LIST, "children"), Input(ids.TICK, "data"),
                   Input(ids.FINDINGS_SEVERITY, "value"), Input(ids.FINDINGS_SHOW_RESOLVED, "value"),
                   Input(ids.RANK, "value"))
-    def render(tick, severities, resolved, rank):
-        if not tick or not tick.get("ready"):
-            return [message(f"Waiting for the first sample in {store.path} …", "wait")]
-        try:
-            items = store.findings(rank or 0, active=None if resolved else True)
-            for f in items:
-                if f["module_id"] is None:
-                    m = store.module_for_path(rank or 0, f["path"])
-                    f["module_id"] = m["module_id"] if m else None
-        except StoreNotReady:
-            raise PreventUpdate
-        except StoreError as exc:
-            return [message(str(exc), "bad")]
+    @reads_store(store, waiting=lambda text: [message(text, "wait")], failed=lambda text: [message(text, "bad")])
+    def render(tick: Tick, severities: list[str] | None, resolved: list[str] | None, rank: int | None) -> list[Any]:
+        items = store.findings(rank or 0, active=None if resolved else True)
+        for f in items:
+            if f["module_id"] is None:
+                m = store.module_for_path(rank or 0, f["path"])
+                f["module_id"] = m["module_id"] if m else None
         return finding_list(items, severities or [])

@@ -7,15 +7,19 @@ capped result list instead of the tree.
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-from dash import ClientsideFunction, Input, Output, Patch, State, ctx, dcc, html, no_update
+from dash import ClientsideFunction, Dash, Input, Output, Patch, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from probes.schema import Severity, TensorKind, code_label, display_path
+
 from .. import figures, ids
-from ..components import (code_label, finding_badges, finding_card, kind_badge, message, params_text,
-                          table)
-from ..data import MAX_CHILDREN, MAX_SEARCH, StoreError, StoreNotReady
+from ..components import KIND_TITLES, badge_specs, finding_badges, finding_card, kind_badge, message, params_text, table
+from ..config import AppConfig
+from ..data import MAX_CHILDREN, MAX_SEARCH, Store
+from ..poll import Tick, callback, plural, reads_store
 
 MAX_VISIBLE_ROWS = 2000
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
@@ -24,15 +28,15 @@ DETAIL_HEAT_COLUMNS = 150
 # (functions returning fresh dicts: no shared mutable module state handed to Dash)
 
 
-def hidden() -> dict:
+def hidden() -> dict[str, Any]:
     return {"visibility": "hidden", "height": 0, "overflow": "hidden"}
 
 
-def shown() -> dict:
+def shown() -> dict[str, Any]:
     return {"visibility": "visible", "height": "auto", "overflow": "visible"}
 
 
-def graph_config() -> dict:
+def graph_config() -> dict[str, Any]:
     return {"displaylogo": False, "displayModeBar": "hover"}
 
 
@@ -40,7 +44,7 @@ def graph_config() -> dict:
 SERIES_KEYS = tuple(key for _, keys, _ in figures.DETAIL_PANELS for key, _ in keys)
 
 
-def layout(config) -> html.Div:
+def layout(config: AppConfig) -> html.Div:
     return html.Div([
         html.Div([
             html.Div([
@@ -73,45 +77,34 @@ def layout(config) -> html.Div:
 # -- tree rendering ---------------------------------------------------------------------------------
 # The server sends plain row data (small JSON); assets/modscope.js (renderTree) draws the rows with
 # textContent, never HTML. Drawing hundreds of rows as Dash components took ~3 ms per row.
-KIND_TITLES = MappingProxyType({"unregistered": "not in model.modules(): reachable through Python attributes only",
-               "runtime": "executed in forward but not reachable through attributes"})
-
-
-def tree_row(m: dict, *, expanded: bool, selected: bool, findings: list[dict], inside: dict | None,
-             show_path: bool = False) -> dict:
+def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: list[dict[str, Any]],
+             inside: dict[str, int] | None, show_path: bool = False) -> dict[str, Any]:
     """Everything one tree row shows, as plain data (pure)."""
     has_children = m["n_children"] > 0 and not show_path
-    seen = {"unregistered-module"} if m["kind"] != "registered" else set()
-    badges = []
-    for f in findings:
-        if f["code"] not in seen:
-            seen.add(f["code"])
-            badges.append({"label": code_label(f["code"]), "sev": f["severity"], "code": f["code"]})
     pill = subtree_pill(inside) if inside and has_children and not expanded else None
     return {
         "id": m["module_id"], "path": m["path"], "kind": m["kind"],
-        "label": (m["path"] or "(root)") if show_path else (m["name"] or m["type"]),
+        "label": display_path(m["path"]) if show_path else (m["name"] or m["type"]),
         "type": m["type"] if (m["path"] or show_path) else "",
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
         "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
         "kind_title": KIND_TITLES.get(m["kind"], ""),
-        "badges": badges,
+        "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],
         "inside": pill,
         "params": params_text(m),
     }
 
 
-def subtree_pill(counts: dict) -> dict | None:
-    parts = [f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}" for s in ("error", "warning", "info")
-             if counts.get(s)]
-    if not parts:
+def subtree_pill(counts: Mapping[str, int]) -> dict[str, str] | None:
+    """"2 errors, 1 warning inside" on a collapsed node, coloured by the worst."""
+    present = [s for s in Severity if counts.get(s)]
+    if not present:
         return None
-    worst = next(s for s in ("error", "warning", "info") if counts.get(s))
-    return {"text": ", ".join(parts) + " inside", "sev": worst}
+    return {"text": ", ".join(plural(counts[s], s.value) for s in present) + " inside", "sev": present[0].value}
 
 
-def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> tuple[dict, str]:
+def build_tree(store: Store, rank: int, expanded: list[int], selected: int | None) -> tuple[dict[str, Any], str]:
     """The visible part of the tree: the root and the children of expanded nodes only."""
     root = store.root(rank)
     if root is None:
@@ -119,7 +112,7 @@ def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> t
     expanded_set = set(expanded)
     inside = store.subtree_finding_counts(rank)
     stack = [root]
-    nodes: list[dict] = []
+    nodes: list[dict[str, Any]] = []
     more: dict[str, int] = {}
     while stack and len(nodes) < MAX_VISIBLE_ROWS:
         m = stack.pop()
@@ -127,7 +120,7 @@ def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> t
         if m["module_id"] in expanded_set and m["n_children"]:
             ch = store.children(rank, m["module_id"], MAX_CHILDREN)
             if ch["more"]:
-                more[m["path"] or "(root)"] = ch["more"]
+                more[display_path(m["path"])] = ch["more"]
             stack.extend(reversed(ch["items"]))
     own = store.findings_for_modules(rank, [m["module_id"] for m in nodes])
     rows = [tree_row(m, expanded=m["module_id"] in expanded_set, selected=m["module_id"] == selected,
@@ -137,7 +130,8 @@ def build_tree(store, rank: int, expanded: list[int], selected: int | None) -> t
     return {"rows": rows, "message": note}, info
 
 
-def build_results(store, rank: int, text: str, code: str | None, selected: int | None) -> tuple[dict, str]:
+def build_results(store: Store, rank: int, text: str, code: str | None,
+                  selected: int | None) -> tuple[dict[str, Any], str]:
     """Search / filter results: a flat, capped list of rows labelled by full path."""
     res = store.search_modules(rank, text, code, MAX_SEARCH)
     items = res["items"]
@@ -151,10 +145,46 @@ def build_results(store, rank: int, text: str, code: str | None, selected: int |
     return {"rows": rows, "message": ""}, info
 
 
+def filter_options(codes: list[str]) -> list[dict[str, str]]:
+    return [{"label": f"{code_label(c)} ({c})", "value": c} for c in codes]
+
+
+# -- clicks ---------------------------------------------------------------------------------------------
+def handle_click(store: Store, click: object, expanded: object, rank: int) -> tuple[Any, Any]:
+    """(expanded nodes, page path) after one click from assets/modscope.js; the selection itself
+    is set in the browser (modscope.selectFromClick)."""
+    if not isinstance(click, dict):
+        raise PreventUpdate
+    try:
+        action = ids.ClickAction(click.get("action"))
+        mid = int(click.get("id"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise PreventUpdate from None
+    if mid < 0:
+        raise PreventUpdate
+    if action is ids.ClickAction.TOGGLE:
+        exp = list(expanded) if isinstance(expanded, list) else store.default_expanded(rank)
+        if mid in exp:
+            exp.remove(mid)
+        else:
+            exp.append(mid)
+        return exp, no_update
+    return expand_to(store, rank, mid, expanded), "/modules" if action is ids.ClickAction.OPEN else no_update
+
+
+def expand_to(store: Store, rank: int, module_id: int, expanded: object) -> Any:
+    """The expanded nodes with the ancestors of ``module_id`` added (no_update when all are)."""
+    exp = list(expanded) if isinstance(expanded, list) else store.default_expanded(rank)
+    missing = [a for a in store.ancestors(rank, module_id) if a not in exp]
+    if not missing and isinstance(expanded, list):
+        return no_update
+    return exp + missing
+
+
 # -- detail rendering ---------------------------------------------------------------------------------
-def detail_header(m: dict, own: list[dict]) -> list:
+def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
     return [
-        html.Div([html.H2(m["path"] or "(root)", className="mono"),
+        html.Div([html.H2(display_path(m["path"]), className="mono"),
                   html.Span(m["type"], className="detail-type", title=m.get("type_module") or ""),
                   kind_badge(m["kind"]), *finding_badges(own, m["kind"])], className="detail-title"),
         html.Div([
@@ -168,27 +198,29 @@ def detail_header(m: dict, own: list[dict]) -> list:
     ]
 
 
-def finding_cards(items: list[dict]) -> list:
-    return [finding_card(f) for f in items]
+def findings_section(items: list[dict[str, Any]]) -> html.Div | None:
+    if not items:
+        return None
+    return html.Div([html.H3("Findings"), *[finding_card(f) for f in items]], className="detail-findings")
 
 
-def _yn(v) -> str:
+def _yn(v: object) -> str:
     return "–" if v is None else ("yes" if v else "no")
 
 
-def params_table(params: list[dict]) -> html.Div:
+def params_table(params: list[dict[str, Any]]) -> html.Div:
     if not params:
         return message("This module owns no parameters or buffers.")
     rows = []
     for p in params:
         opt = (f"yes (group {p['opt_group']}" + (f", lr {figures.fmt_num(p['lr'])}" if p["lr"] is not None else "")
                + ")") if p["in_optimizer"] else "no"
-        bad_opt = p["requires_grad"] and not p["in_optimizer"] and p["kind"] != "buffer"
-        moved = {1: "yes", 0: "no", None: "–"}[p["moved"]]
+        bad_opt = p["requires_grad"] and not p["in_optimizer"] and p["kind"] != TensorKind.BUFFER
+        moved = {1: "yes", 0: "no", None: "–"}.get(p["moved"], "–")
         rows.append([
             html.Td(p["name"], className="mono", title=p["path"]),
             html.Td(p["kind"] + ("" if p["in_state_dict"] else " · not in state_dict"),
-                    className="bad" if p["kind"] == "tensor" else ""),
+                    className="bad" if p["kind"] == TensorKind.TENSOR else ""),
             html.Td("×".join(str(s) for s in p["shape"]) if isinstance(p["shape"], list) else "uninitialised",
                     className="mono"),
             _yn(p["requires_grad"]),
@@ -202,51 +234,92 @@ def params_table(params: list[dict]) -> html.Div:
         rows, "params-table")], className="params")
 
 
-def register(app, config) -> None:
-    if config.mode == "compare":
-        return
+class DetailOutputs(NamedTuple):
+    """The outputs of the detail callback, in order."""
+
+    header: Any
+    findings: Any
+    charts_style: Any
+    chart: Any               # a figure, or a Patch extending the open one
+    params: Any
+    state: Any               # {"rank", "module_id", "last", "has_data", "has_grad"}: what the chart shows
+
+
+def detail_error(text: str) -> DetailOutputs:
+    return DetailOutputs([message(text, "bad")], None, hidden(), no_update, None, None)
+
+
+def detail_full(store: Store, rank: int, mid: int) -> DetailOutputs:
+    m = store.module(rank, mid)
+    if m is None:
+        return detail_error(f"Module {mid} is not in this store.")
+    own = store.findings_for_modules(rank, [mid]).get(mid, [])
+    series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
+    return DetailOutputs(
+        detail_header(m, own), findings_section(store.findings(rank, active=None, module_id=mid)), shown(),
+        figures.detail_series_figure(series, f"{rank}-{mid}"), params_table(store.module_params(rank, mid)),
+        {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
+         "has_grad": any(v is not None for v in series["out_grad_norm"])})
+
+
+def detail_increment(store: Store, rank: int, mid: int, state: dict[str, Any]) -> DetailOutputs:
+    """New samples of the open module: the chart extended in place (a Patch), unless its gradient
+    panel was still the "no gradients yet" message (then drawn whole)."""
+    if not state.get("has_data"):
+        return detail_full(store, rank, mid)
+    new = store.module_series(rank, mid, since_step=state.get("last"))
+    if not new["step"]:
+        raise PreventUpdate
+    has_grad = bool(state.get("has_grad", False))
+    chart: Any
+    if not has_grad and any(v is not None for v in new["out_grad_norm"]):
+        chart = figures.detail_series_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
+        has_grad = True
+    else:
+        chart = Patch()
+        grew = has_grad and any(v is not None for v in new["out_grad_norm"])
+        for i, key in enumerate(SERIES_KEYS if grew else SERIES_KEYS[:-1]):
+            chart["data"][i]["x"].extend(new["step"])
+            chart["data"][i]["y"].extend(new[key])
+    m = store.module(rank, mid)
+    own = store.findings_for_modules(rank, [mid]).get(mid, [])
+    return DetailOutputs(
+        detail_header(m, own) if m else no_update, findings_section(store.findings(rank, active=None, module_id=mid)),
+        no_update, chart, params_table(store.module_params(rank, mid)),
+        {**state, "last": new["last"], "has_grad": has_grad})
+
+
+# -- callbacks ------------------------------------------------------------------------------------------
+def register(app: Dash, config: AppConfig) -> None:
     store = config.store
 
-    def _default_expanded(rank):
-        try:
-            return store.default_expanded(rank)
-        except StoreError:
-            return []
+    @callback(app, Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"), Input(ids.RANK, "value"))
+    @reads_store(store, waiting=lambda _text: [])
+    def update_filter_options(tick: Tick, rank: int | None) -> list[dict[str, str]]:
+        return filter_options(store.finding_codes(rank or 0))
 
-    @app.callback(Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"), Input(ids.RANK, "value"))
-    def filter_options(tick, rank):
-        if not tick or not tick.get("ready"):
-            return []
-        try:
-            codes = store.finding_codes(rank or 0)
-        except StoreError:
-            raise PreventUpdate
-        return [{"label": f"{code_label(c)} ({c})", "value": c} for c in codes]
+    def tree_message(text: str) -> tuple[Any, ...]:
+        return {"rows": [], "message": text}, "", None
 
-    @app.callback(Output(ids.TREE_DATA, "data"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
-                  Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"), Input(ids.TREE_FILTER, "value"),
-                  Input(ids.TICK, "data"), Input(ids.RANK, "value"),
+    @callback(app, Output(ids.TREE_DATA, "data"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
+                  Input(ids.TICK, "data"), Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"),
+                  Input(ids.TREE_FILTER, "value"), Input(ids.RANK, "value"),
                   State(ids.SELECTED, "data"), State(ids.TREE_STATE, "data"))
-    def render_tree(expanded, text, code, tick, rank, selected, tree_state):
+    @reads_store(store, waiting=tree_message, failed=tree_message)
+    def render_tree(tick: Tick, expanded: object, text: str | None, code: str | None, rank: int | None,
+                    selected: object, tree_state: object) -> tuple[Any, ...]:
         """The visible rows. A new selection only moves the highlight (done in the browser)."""
-        if not tick or not tick.get("ready"):
-            return {"rows": [], "message": f"Waiting for the first sample in {store.path} …"}, "", None
-        struct = [tick.get("struct"), rank]
-        if ctx.triggered_id == ids.TICK and isinstance(tree_state, dict) and tree_state.get("struct") == struct:
+        key = [list(tick.structure), rank]
+        if ctx.triggered_id == ids.TICK and isinstance(tree_state, dict) and tree_state.get("structure") == key:
             raise PreventUpdate  # a new step without new modules or findings: the tree is unchanged
         rank = rank or 0
         sel = selected.get("module_id") if isinstance(selected, dict) else None
-        try:
-            if (text or "").strip() or code:
-                data, info = build_results(store, rank, text or "", code, sel)
-            else:
-                exp = expanded if isinstance(expanded, list) else _default_expanded(rank)
-                data, info = build_tree(store, rank, exp, sel)
-        except StoreNotReady:
-            raise PreventUpdate
-        except StoreError as exc:
-            return {"rows": [], "message": str(exc)}, "", None
-        return data, info, {"struct": struct}
+        if (text or "").strip() or code:
+            data, info = build_results(store, rank, text or "", code, sel)
+        else:
+            exp = expanded if isinstance(expanded, list) else store.default_expanded(rank)
+            data, info = build_tree(store, rank, exp, sel)
+        return data, info, {"structure": key}
 
     app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="renderTree"),
                             Output(ids.TREE, "title"), Input(ids.TREE_DATA, "data"), State(ids.SELECTED, "data"))
@@ -259,130 +332,42 @@ def register(app, config) -> None:
                             Output(ids.SELECTED, "data"), Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"),
                             State(ids.SELECTED, "data"), prevent_initial_call=True)
 
-    @app.callback(Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
+    @callback(app, Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
                   Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"),
                   State(ids.EXPANDED, "data"), prevent_initial_call=True)
-    def on_click(click, rank, expanded):
+    @reads_store(store, tick_first=False)
+    def on_click(click: object, rank: int | None, expanded: object) -> tuple[Any, Any]:
         """Tree toggles, tree selections and findings (which open their module). Another rank
         has other module ids: switching rank starts from its default view."""
         if ctx.triggered_id == ids.RANK:
             return None, no_update
-        return handle_click(store, click, expanded, rank or 0, _default_expanded)[1:]
+        return handle_click(store, click, expanded, rank or 0)
 
-    @app.callback(
+    @callback(app,
         Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
         Output(ids.DETAIL, "style"),
         Output(ids.DETAIL_ACT, "figure"),
         Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
-        Input(ids.SELECTED, "data"), Input(ids.TICK, "data"), State(ids.DETAIL_STATE, "data"))
-    def render_detail(selected, tick, state):
+        Input(ids.TICK, "data"), Input(ids.SELECTED, "data"), State(ids.DETAIL_STATE, "data"))
+    @reads_store(store, failed=detail_error)
+    def render_detail(tick: Tick, selected: object, state: object) -> DetailOutputs:
         """Header, findings, the series chart (three panels, one figure; extended in place when
         live) and parameters."""
-        if not isinstance(selected, dict) or selected.get("module_id") is None or not tick or not tick.get("ready"):
+        if not isinstance(selected, dict) or selected.get("module_id") is None:
             raise PreventUpdate
-        rank, mid = selected.get("rank", 0), selected["module_id"]
-        try:
-            if (ctx.triggered_id == ids.TICK and isinstance(state, dict) and state.get("module_id") == mid
-                    and state.get("rank") == rank):
-                return _detail_increment(store, rank, mid, state)
-            return _detail_full(store, rank, mid)
-        except StoreNotReady:
-            raise PreventUpdate
-        except StoreError as exc:
-            return ([message(str(exc), "bad")], None, hidden(), no_update, None, None)
+        rank, mid = int(selected.get("rank") or 0), int(selected["module_id"])
+        if (ctx.triggered_id == ids.TICK and isinstance(state, dict) and state.get("module_id") == mid
+                and state.get("rank") == rank):
+            return detail_increment(store, rank, mid, state)
+        return detail_full(store, rank, mid)
 
-    @app.callback(Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
-    def render_heat(state):
+    @callback(app, Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
+    @reads_store(store, failed=figures.empty_figure, tick_first=False)
+    def render_heat(state: object) -> dict[str, Any]:
         """The histogram heat map follows the other charts (drawn after them, rebuilt - thinned to
         DETAIL_HEAT_COLUMNS - when the module got new samples)."""
         if not isinstance(state, dict) or state.get("module_id") is None:
             raise PreventUpdate
-        rank, mid = state.get("rank", 0), state["module_id"]
-        try:
-            hist = store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS)
-        except StoreNotReady:
-            raise PreventUpdate
-        except StoreError as exc:
-            return figures.empty_figure(str(exc))
-        return figures.heatmap_figure(hist, f"{rank}-{mid}")
+        rank, mid = int(state.get("rank") or 0), int(state["module_id"])
+        return figures.heatmap_figure(store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS), f"{rank}-{mid}")
 
-
-def handle_click(store, click, expanded, rank: int, default_expanded):
-    """(selected, expanded, pathname) for one click from assets/modscope.js."""
-    if not isinstance(click, dict) or click.get("action") not in ("toggle", "select", "open"):
-        raise PreventUpdate
-    try:
-        mid = int(click.get("id"))
-    except (TypeError, ValueError):
-        raise PreventUpdate from None
-    if mid < 0:
-        raise PreventUpdate
-    if click["action"] == "toggle":
-        exp = list(expanded) if isinstance(expanded, list) else default_expanded(rank)
-        if mid in exp:
-            exp.remove(mid)
-        else:
-            exp.append(mid)
-        return no_update, exp, no_update
-    sel, exp = select_module(store, rank, mid, expanded, default_expanded)
-    return sel, exp, "/modules" if click["action"] == "open" else no_update
-
-
-def select_module(store, rank: int, module_id: int, expanded, default_expanded):
-    """Select a module and make sure the tree shows it (its ancestors expanded)."""
-    exp = list(expanded) if isinstance(expanded, list) else default_expanded(rank)
-    try:
-        anc = store.ancestors(rank, module_id)
-    except StoreError:
-        anc = []
-    changed = False
-    for a in anc:
-        if a not in exp:
-            exp.append(a)
-            changed = True
-    return {"rank": rank, "module_id": module_id}, (exp if changed or not isinstance(expanded, list)
-                                                     else no_update)
-
-
-def _detail_full(store, rank: int, mid: int):
-    m = store.module(rank, mid)
-    if m is None:
-        return ([message(f"Module {mid} is not in this store.", "bad")], None, hidden(), no_update, None, None)
-    own = store.findings_for_modules(rank, [mid]).get(mid, [])
-    items = store.findings(rank, active=None, module_id=mid)
-    series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
-    params = store.module_params(rank, mid)
-    rev = f"{rank}-{mid}"
-    findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
-        if items else None
-    return (detail_header(m, own), findings_block, shown(),
-            figures.detail_series_figure(series, rev), params_table(params),
-            {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
-             "has_grad": any(v is not None for v in series["out_grad_norm"])})
-
-
-def _detail_increment(store, rank: int, mid: int, state: dict):
-    if not state.get("has_data"):
-        return _detail_full(store, rank, mid)
-    new = store.module_series(rank, mid, since_step=state.get("last"))
-    if not new["step"]:
-        raise PreventUpdate
-    has_grad = state.get("has_grad", False)
-    if not has_grad and any(v is not None for v in new["out_grad_norm"]):
-        # the grad panel was the "no gradients yet" message (no trace to extend): draw it all
-        chart = figures.detail_series_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
-        has_grad = True
-    else:
-        chart = Patch()
-        grew = has_grad and any(v is not None for v in new["out_grad_norm"])
-        for i, key in enumerate(SERIES_KEYS if grew else SERIES_KEYS[:-1]):
-            chart["data"][i]["x"].extend(new["step"])
-            chart["data"][i]["y"].extend(new[key])
-    params = params_table(store.module_params(rank, mid))
-    own = store.findings_for_modules(rank, [mid]).get(mid, [])
-    m = store.module(rank, mid)
-    items = store.findings(rank, active=None, module_id=mid)
-    findings_block = html.Div([html.H3("Findings"), *finding_cards(items)], className="detail-findings") \
-        if items else None
-    return (detail_header(m, own) if m else no_update, findings_block, no_update, chart,
-            params, {**state, "last": new["last"], "has_grad": has_grad})

@@ -33,12 +33,13 @@ def free_port() -> int:
 class Server:
     """``python app.py ARGS --port P`` as a subprocess; ``url`` once it answers HTTP."""
 
-    def __init__(self, args: list[str], *, host: str = "127.0.0.1", cwd: Path | None = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], *, host: str = "127.0.0.1", cwd: Path | None = None,
+                 port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port or free_port()
         self.host = host
         self.log = tempfile.NamedTemporaryFile(prefix="modscope-server-", suffix=".log", delete=False)
         cmd = [sys.executable, str(REPO / "app.py"), *args, "--port", str(self.port), "--host", host]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(cwd or REPO),
                                      env=env)
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -92,8 +93,10 @@ def download_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def browser(download_dir):
+def start_chrome(*extra_args: str, download_dir: Path | None = None):
+    """A headless Chromium driver with the options every browser test uses, plus
+    ``extra_args`` (e.g. ``--host-resolver-rules=...``); returns ``(driver, profile_dir)``:
+    ``driver.quit()`` and remove the profile when done."""
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         pytest.fail(f"headless Chromium needed for the browser tests: {CHROMIUM} / {CHROMEDRIVER} "
                     "(apt-get install chromium chromium-driver)")
@@ -104,15 +107,23 @@ def browser(download_dir):
     opts = webdriver.ChromeOptions()
     for a in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--disable-dev-shm-usage", "--window-size=1500,1000", f"--user-data-dir={profile}"):
+              "--disable-dev-shm-usage", "--window-size=1500,1000", f"--user-data-dir={profile}", *extra_args):
         opts.add_argument(a)
     opts.binary_location = CHROMIUM
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    opts.add_experimental_option("prefs", {"download.default_directory": str(download_dir),
-                                           "download.prompt_for_download": False})
+    if download_dir is not None:
+        opts.add_experimental_option("prefs", {"download.default_directory": str(download_dir),
+                                               "download.prompt_for_download": False})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(60)
-    driver.execute_cdp_cmd("Page.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(download_dir)})
+    if download_dir is not None:
+        driver.execute_cdp_cmd("Page.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(download_dir)})
+    return driver, profile
+
+
+@pytest.fixture(scope="session")
+def browser(download_dir):
+    driver, profile = start_chrome(download_dir=download_dir)
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
@@ -193,7 +204,7 @@ def demo_available() -> bool:
     if not (REPO / "examples" / "demo_train.py").exists():
         return False
     try:
-        import probes  # noqa: F401
+        import probes
         return hasattr(probes, "watch")
     except ImportError:
         return False

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from selenium.webdriver.common.by import By
-
 from browser_helpers import REPO, assert_console_clean, click, demo_available, screenshot, wait_for, wait_text
+from selenium.webdriver.common.by import By
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not demo_available(), reason="needs torch, probes and examples/demo_train.py")]
@@ -94,9 +93,9 @@ def test_default_command_runs_demo_live(page, server_factory, tmp_path, download
     for f in download_dir.glob("*"):
         f.unlink()
     click(page, "#export-snapshot-btn")
-    snap = wait_for(page, lambda d: [p for p in download_dir.glob("*.sqlite")], "snapshot download")[0]
+    snap = wait_for(page, lambda d: list(download_dir.glob("*.sqlite")), "snapshot download")[0]
     click(page, "#export-report-btn")
-    report = wait_for(page, lambda d: [p for p in download_dir.glob("*.html")], "report download")[0]
+    report = wait_for(page, lambda d: list(download_dir.glob("*.html")), "report download")[0]
     assert_console_clean(page)
 
     # the downloaded snapshot reopens in review mode (a second server)

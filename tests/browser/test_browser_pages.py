@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
-from selenium.webdriver.common.by import By
-
 import synth_store
 from browser_helpers import click, screenshot, wait_for, wait_text
+from selenium.webdriver.common.by import By
+
+from probes import schema
 
 pytestmark = pytest.mark.browser
 
@@ -63,13 +68,15 @@ def test_opening_evidence_does_not_navigate(page, server_factory, demo_store):
 
 
 def test_run_started_before_the_training_waits_then_goes_live(page, server_factory, tmp_path):
-    """`--run DIR` on a run that does not exist yet says so, then shows the run once written,
-    and new samples appear without a reload (a synthetic writer, no torch needed)."""
+    """`--run DIR` on a run that does not exist yet says so, then shows the run once its store
+    (the writer's per-rank file name) appears, and new samples appear without a reload (a
+    synthetic writer, no torch needed)."""
     run = tmp_path / "later"
     srv = server_factory(["--run", str(run)])
     page.get(srv.url)
     wait_text(page, "Waiting for the first sample", "#banner")
-    writer = synth_store.demo(run / "modscope.sqlite", steps=5, live=True)
+    wait_text(page, "waiting for the first sample", "#run-status")
+    writer = synth_store.demo(run / schema.store_filename("r1", 0), steps=5, live=True)
     try:
         wait_text(page, "Classifier", "#ov-cards")
         wait_text(page, "step 4", "#run-status")
@@ -115,3 +122,72 @@ def test_tree_works_from_the_keyboard(page, server_factory, demo_store):
     page.find_element(By.CSS_SELECTOR, ".tree-row[data-path='encoder'] .tree-toggle").send_keys(Keys.ENTER)
     wait_for(page, lambda d: not d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='encoder.blocks[0]']"),
              "encoder collapsed")
+
+
+def test_a_bad_store_that_appears_later_shows_its_error(page, server_factory, tmp_path):
+    """A store written by a newer modscope appearing after the dashboard started: the one-line error
+    it would have printed at start-up, not "waiting" forever."""
+    run = tmp_path / "later"
+    srv = server_factory(["--run", str(run)])
+    page.get(srv.url)
+    wait_text(page, "Waiting for the first sample", "#banner")
+    p = run / schema.store_filename("r1", 0)
+    synth_store.demo(p, steps=2)
+    conn = sqlite3.connect(str(p))
+    conn.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    banner = wait_text(page, f"written by schema version {schema.SCHEMA_VERSION + 1}", "#banner")
+    assert banner.text == (f"{p}: written by schema version {schema.SCHEMA_VERSION + 1}, this dashboard reads up "
+                           f"to {schema.SCHEMA_VERSION}")
+    wait_text(page, "cannot read the store", "#run-status")
+
+
+def test_header_shows_step_and_status_while_nothing_changes(page, server_factory, tmp_path):
+    """Live mode on a store that does not change: the header still says the step and the status;
+    a heartbeat older than 2 minutes from a process that lives reads "stalled"."""
+    writer = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
+    try:
+        writer.set_rank(hostname=socket.gethostname(), pid=os.getpid(), updated_at=time.time())
+        srv = server_factory(["--run", str(tmp_path)])
+        page.get(srv.url)
+        wait_text(page, "step 4 · running", "#run-status")
+        writer.set_rank(updated_at=time.time() - 3 * 60 - 5)
+        wait_text(page, "step 4 · stalled: no update for 3 min", "#run-status")
+        screenshot(page, "stalled")
+    finally:
+        writer.close()
+    wait_text(page, "step 4 · closed", "#run-status")
+
+
+def test_banner_while_store_writes_fail_and_after(page, server_factory, tmp_path):
+    p = tmp_path / schema.store_filename("r1", 0)
+    writer = synth_store.demo(p, steps=5, live=True)
+    try:
+        srv = server_factory(["--run", str(tmp_path)])
+        page.get(srv.url)
+        wait_text(page, "Classifier", "#ov-cards")
+        assert not page.find_element(By.ID, "banner").text
+        since = time.time() - 30
+        schema.status_path(p).write_bytes(schema.encode_status(schema.WriterStatus(
+            state=schema.WriterState.FAILING, updated_at=time.time(), failing_since=since,
+            error="database or disk is full", failed_commits=3, dropped_samples=120)))
+        failing = wait_text(page, "Store writes are failing since", "#banner")
+        clock = time.strftime("%H:%M:%S", time.localtime(since))
+        assert failing.text == (f"Store writes are failing since {clock}: database or disk is full — 3 commits "
+                                "failed, 120 samples dropped; training continues and modscope retries")
+        screenshot(page, "store-writes-failing")
+        schema.status_path(p).write_bytes(schema.encode_status(schema.WriterStatus(
+            state=schema.WriterState.OK, updated_at=time.time(), error="database or disk is full",
+            failed_commits=3, dropped_samples=120)))
+        writer.set_rank(write_errors=3, last_error="database or disk is full")
+        wait_text(page, "The store missed writes: 3 commits failed, 120 samples dropped (last error: database or "
+                        "disk is full) (recovered)", "#banner")
+    finally:
+        writer.close()
+
+
+def test_review_mode_header_shows_step_and_status(page, server_factory, demo_store):
+    srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
+    page.get(srv.url)
+    wait_text(page, "step 39 · closed", "#run-status")

@@ -1,9 +1,12 @@
-"""Synthetic run stores for the dashboard tests (and bench/dashboard_scale.py).
+"""Synthetic run stores for the dashboard's scale runs (bench/dashboard_scale.py, the 10,000-module
+browser test) and for the states the real writer cannot be made to produce on demand (newer or older
+schema versions, two ranks in one file, a stalled or vanished writer, failed commits, hostile strings).
 
-Written with the schema's DDL (``probes.schema``) so the tests exercise the real
-contract without torch. ``demo`` mirrors examples/demo_train.py: the seed's XOR
-classifier whose encoder keeps its three Linear blocks in a plain list (``fixed=True``
-is the ModuleList version). ``big`` makes a tree of any size.
+What the real writer (``probes.watch``) writes, read through every query of ``dashboard.data``, is
+tested in tests/contract. These stores are written with the schema's DDL (``probes.schema``, no
+torch). ``demo`` mirrors examples/demo_train.py: the seed's XOR classifier whose encoder keeps its
+three Linear blocks in a plain list (``fixed=True`` is the ModuleList version). ``big`` makes a
+tree of any size.
 """
 
 from __future__ import annotations
@@ -105,12 +108,20 @@ class SynthStore:
         return pid
 
     def add_finding(self, code: str, path: str, severity: str, module_id: int | None, message: str,
-                    fix: str = "", evidence: dict | None = None, active: int = 1) -> None:
+                    fix: str = "", evidence: dict | None = None, active: int = 1, *, count: int = 1,
+                    cause: tuple[str, str] | None = None) -> None:
         self.conn.execute(
             "INSERT OR REPLACE INTO findings (rank, code, path, severity, module_id, message, fix, evidence, "
-            "first_step, last_step, active) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
+            "first_step, last_step, active, count, cause_code, cause_path) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)",
             (self.rank, code, path, severity, module_id, message, fix, json.dumps(evidence or {}),
-             max(self.step, 0), active))
+             max(self.step, 0), active, count, *(cause or (None, None))))
+        self.conn.commit()
+
+    def set_rank(self, **columns: object) -> None:
+        """Overwrite columns of this rank's ``ranks`` row (heartbeat, pid, host, write errors ...)."""
+        sets = ", ".join(f"{c} = ?" for c in columns)
+        self.conn.execute(f"UPDATE ranks SET {sets} WHERE rank = ?", (*columns.values(), self.rank))
         self.conn.commit()
 
     def commit(self) -> None:
@@ -123,7 +134,8 @@ class SynthStore:
             self.step += 1
             s = self.step
             self.loss = max(0.02, self.loss * 0.985 + self.rng.uniform(-0.01, 0.01))
-            self.conn.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, 1)",
+            self.conn.execute("INSERT INTO steps (rank, step, wall_time, loss, step_ms, probe_ms, sampled) "
+                              "VALUES (?, ?, ?, ?, ?, ?, 1)",
                               (self.rank, s, time.time(), self.loss, 3.0, 0.01))
             rows = []
             for m in mods:
@@ -132,12 +144,15 @@ class SynthStore:
                 rows.append((self.rank, m["module_id"], s, 1, 64, scale * 0.4, scale, scale * 3, dead,
                              dead, 0.0, 0, 0.01 / (1 + s) ** 0.5, 1, 1,
                              self._hists[m["relu"]][(s + m["module_id"]) % 12] if hist else None))
-            self.conn.executemany("INSERT INTO module_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                  rows)
+            self.conn.executemany(
+                "INSERT INTO module_stats (rank, module_id, step, calls, numel, mean, std, absmax, zero_frac, "
+                "dead_frac, sat_frac, nonfinite, out_grad_norm, training, grad_enabled, hist) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
             prow = [(self.rank, p["param_id"], s, 0.05 * (1 + 0.3 * math.sin(s / 7)), 4.0,
                      0.0 if p["moved"] == 0 else 0.004, 0.0 if p["moved"] == 0 else 0.001)
                     for p in self.params]
-            self.conn.executemany("INSERT INTO param_stats VALUES (?, ?, ?, ?, ?, ?, ?)", prow)
+            self.conn.executemany("INSERT INTO param_stats (rank, param_id, step, grad_norm, data_norm, update_norm, "
+                                  "update_ratio) VALUES (?, ?, ?, ?, ?, ?, ?)", prow)
             self.conn.execute("UPDATE ranks SET step = ?, samples_written = samples_written + 1, "
                               "updated_at = ? WHERE rank = ?", (s, time.time(), self.rank))
             self.conn.commit()
@@ -242,4 +257,20 @@ def two_ranks(path: Path) -> Path:
     b.add_steps(3)
     b.conn.execute("UPDATE ranks SET world_size = 2")
     b.close()
+    return path
+
+
+def as_version_1(path: Path) -> Path:
+    """Make the (closed) store at ``path`` a schema-version-1 store: without the columns version 2
+    added (``schema.ADDED_COLUMNS``), ``PRAGMA user_version = 1``."""
+    conn = sqlite3.connect(str(path))
+    try:
+        for table, columns in schema.ADDED_COLUMNS.items():
+            for column, _default in columns:
+                conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        conn.execute("PRAGMA user_version = 1")
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', '1')")
+        conn.commit()
+    finally:
+        conn.close()
     return path

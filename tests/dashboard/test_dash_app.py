@@ -1,5 +1,6 @@
-"""The app without a browser: command line errors, token check, report, page builders,
-and the rule that the dashboard never imports torch or probes."""
+"""The app without a browser: command line errors, token check, report, page builders, the
+shell's poll, the callback guard, and the rule that the dashboard imports neither torch nor
+anything of probes but the torch-free contract (probes.schema)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import synth_store
+
 from dashboard import figures
 from dashboard.data import Store
 from dashboard.pages import compare as compare_page
@@ -20,14 +21,16 @@ from dashboard.pages import findings as findings_page
 from dashboard.pages import modules as modules_page
 from dashboard.pages import overview as overview_page
 from dashboard.report import build_report
-from dashboard.server import AppConfig, create_app, is_loopback
+from dashboard.security import is_loopback
+from dashboard.server import AppConfig, create_app
+from probes import schema
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_app(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "app.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(REPO))
+                          timeout=timeout, cwd=str(REPO), check=False)
 
 
 @pytest.fixture
@@ -44,7 +47,7 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     newer = tmp_path / "newer" / "modscope.sqlite"
     synth_store.demo(newer, steps=1)
     c = sqlite3.connect(str(newer))
-    c.execute("PRAGMA user_version = 3")
+    c.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
     c.commit()
     c.close()
     corrupt = tmp_path / "corrupt.sqlite"
@@ -55,7 +58,8 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return {
         "missing": (tmp_path / "missing.sqlite", "no such file"),
         "not sqlite": (notdb, "not an SQLite file"),
-        "newer schema": (newer, "written by schema version 3, this dashboard reads up to 1"),
+        "newer schema": (newer, f"written by schema version {schema.SCHEMA_VERSION + 1}, this dashboard reads up "
+                                f"to {schema.SCHEMA_VERSION}"),
         "corrupt": (corrupt, "corrupt SQLite file"),
     }
 
@@ -102,26 +106,35 @@ def test_bad_port_and_usage(tmp_path, demo_snapshot):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
-def test_dashboard_never_imports_torch_or_probes(demo_snapshot, tmp_path):
+def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, tmp_path):
+    """Without torch (blocked), every dashboard module imports, a snapshot opens, the report and the
+    app build: of probes only the torch-free contract (probes.schema) is loaded."""
     code = (
-        "import sys, builtins\n"
+        "import sys, builtins, pkgutil, importlib\n"
+        "sys.modules['torch'] = None\n"                 # as if torch were not installed
         "real = builtins.__import__\n"
-        "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] in ('torch', 'probes'):\n"
+        "def guard(name, globals=None, locals=None, fromlist=(), level=0):\n"
+        "    if level == 0 and name.split('.')[0] == 'torch':\n"
         "        raise ImportError('blocked: ' + name)\n"
-        "    return real(name, *a, **k)\n"
+        "    if level == 0 and name.startswith('probes.') and name != 'probes.schema':\n"
+        "        raise ImportError('blocked: ' + name)\n"
+        "    return real(name, globals, locals, fromlist, level)\n"
         "builtins.__import__ = guard\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "import app, dashboard.server, dashboard.report\n"
+        "import app, dashboard\n"
+        "for m in pkgutil.walk_packages(dashboard.__path__, 'dashboard.'):\n"
+        "    importlib.import_module(m.name)\n"
         "from dashboard.data import Store\n"
         "from dashboard.report import build_report\n"
+        "import dashboard.server\n"
         "s = Store.open_snapshot(sys.argv[2])\n"
         "build_report(s)\n"
-        "dashboard.server.create_app(dashboard.server.AppConfig(mode='review', store=s))\n"
-        "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'probes')]\n"
+        "dashboard.server.create_app(dashboard.server.AppConfig(mode='review', store=s)).layout()\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'probes') and sys.modules[m])\n"
+        "assert loaded == ['probes', 'probes._version', 'probes.schema'], loaded\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
@@ -138,17 +151,19 @@ def test_sql_only_in_the_data_module():
 
 # -- token ---------------------------------------------------------------------------------------
 def test_token_check(demo_snapshot):
-    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot), token="T0k"))
+    token = "T0k-0123456789abcdef"                               # (the rest: tests/dashboard/test_security.py)
+    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot), token=token,
+                               bind_host="0.0.0.0", bind_port=8050))
     client = app.server.test_client()
     assert client.get("/").status_code == 401
     assert client.get("/_dash-layout").status_code == 401
     assert client.get("/?token=bad").status_code == 401
-    r = client.get("/?token=T0k")
-    assert r.status_code == 200 and "modscope_token=T0k" in r.headers.get("Set-Cookie", "")
+    r = client.get(f"/?token={token}")                           # sets the cookie, then drops the token from the URL
+    assert r.status_code == 200 and f"modscope_token_8050={token}" in r.headers.get("Set-Cookie", "")
     assert client.get("/_dash-layout").status_code == 200        # the cookie now
     fresh = app.server.test_client()
-    assert fresh.get("/_dash-layout", headers={"X-Modscope-Token": "T0k"}).status_code == 200
-    assert fresh.get("/_dash-layout", headers={"Authorization": "Bearer T0k"}).status_code == 200
+    assert fresh.get("/_dash-layout", headers={"X-Modscope-Token": token}).status_code == 200
+    assert fresh.get("/_dash-layout", headers={"Authorization": f"Bearer {token}"}).status_code == 200
 
 
 def test_loopback_needs_no_token(demo_snapshot):
@@ -189,10 +204,10 @@ def test_page_builders(demo_snapshot, tmp_path):
     s = Store.open_snapshot(demo_snapshot)
     cards = overview_page.overview_cards(s.overview())
     assert len(cards) >= 8
-    rows, info = modules_page.build_tree(s, 0, s.default_expanded(), None)
-    assert info == "7 nodes shown"
-    rows, info = modules_page.build_results(s, 0, "blocks", None, None)
-    assert info == "3 matches"
+    tree, info = modules_page.build_tree(s, 0, s.default_expanded(), None)
+    assert info == "7 nodes shown" and len(tree["rows"]) == 7
+    results, info = modules_page.build_results(s, 0, "blocks", None, None)
+    assert info == "3 matches" and [r["label"] for r in results["rows"]] == [f"encoder.blocks[{i}]" for i in range(3)]
     assert findings_page.finding_list(s.findings(), ["error"])
     assert findings_page.finding_list([], ["error"])[0].children == "No findings. ✓"
     synth_store.demo(tmp_path / "after" / "modscope.sqlite", fixed=True, steps=5)
@@ -213,8 +228,8 @@ def test_figures_are_pure_and_escaped():
     heat = figures.heatmap_figure({"step": [0, 1], "counts": [[1, 2, 3, 4], [4, 3, 2, 1]], "edges": edges}, "r")
     assert len(heat["data"][0]["z"]) == 4
     import plotly.graph_objects as go
-    for fig in (heat, figures.activation_figure(series, "r"), figures.severity_figure({"error": 1}),
-                figures.empty_figure("x")):
+    for fig in (heat, figures.activation_figure(series, "r"), figures.detail_series_figure(series, "r"),
+                figures.loss_figure({"step": [0, 1], "loss": [1.0, 0.5]}), figures.empty_figure("x")):
         go.Figure(fig)   # valid plotly figures (validated here, not on every request)
     assert len(figures.bin_labels(edges)) == 4
     assert figures.plot_text("<b>x</b>") == "&lt;b&gt;x&lt;/b&gt;"
@@ -227,15 +242,15 @@ def test_live_detail_update_extends_or_redraws(tmp_path):
     from dash import Patch
     st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
     s = Store.open_run(tmp_path)
-    full = modules_page._detail_full(s, 0, 1)
-    state = full[-1]
-    assert state["last"] == 4 and state["has_grad"]
+    full = modules_page.detail_full(s, 0, 1)
+    assert full.state["last"] == 4 and full.state["has_grad"]
     st.add_steps(2)
-    inc = modules_page._detail_increment(s, 0, 1, state)
-    assert isinstance(inc[3], Patch) and inc[-1]["last"] == 6
+    inc = modules_page.detail_increment(s, 0, 1, full.state)
+    assert isinstance(inc.chart, Patch) and inc.state["last"] == 6
     st.add_steps(1)
-    redraw = modules_page._detail_increment(s, 0, 1, {**inc[-1], "has_grad": False})
-    assert isinstance(redraw[3], dict) and len(redraw[3]["data"]) == 6 and redraw[-1]["has_grad"]
+    redraw = modules_page.detail_increment(s, 0, 1, {**inc.state, "has_grad": False})
+    assert isinstance(redraw.chart, dict) and len(redraw.chart["data"]) == 6 and redraw.state["has_grad"]
+    assert modules_page.detail_full(s, 0, 999).header[0].children == "Module 999 is not in this store."
     st.close()
 
 

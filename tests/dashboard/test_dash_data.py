@@ -1,15 +1,35 @@
-"""The data-access layer: plain-data functions behind every page, limits, errors."""
+"""The data-access layer: plain-data functions behind every page, limits, errors, versions, the
+run directory's files, the writer's heartbeat and health. (What the real writer writes, read
+through every query: tests/contract.)"""
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
-
 import synth_store
-from dashboard.data import (SUPPORTED_SCHEMA_VERSION, QueryTimeout, Store, StoreError, StoreNotReady,
-                            compare_stores, normalize_path)
+
+from dashboard.data import (
+    STALL_MIN_S,
+    Heartbeat,
+    QueryTimeoutError,
+    RunState,
+    Store,
+    StoreError,
+    StoreNotReadyError,
+    compare_stores,
+    liveness,
+    process_alive,
+    resolve_store_path,
+)
+from probes import schema
 
 
 @pytest.fixture
@@ -32,6 +52,7 @@ def test_overview(before):
     assert ov["modules"] == {"registered": 4, "unregistered": 3, "runtime": 0}
     assert ov["params"]["total"] == 82 and ov["params"]["unregistered"] == 816
     assert ov["overhead"] == pytest.approx(0.004)
+    assert ov["write_errors"] == 0 and ov["last_error"] is None and ov["status"] == "closed"
 
 
 def test_tree_is_lazy_and_marks_unregistered(before):
@@ -58,7 +79,7 @@ def test_children_limit_reports_the_rest(tmp_path):
 def test_search_and_filter(before):
     assert [m["path"] for m in before.search_modules(0, "BLOCKS")["items"]] == \
         [f"encoder.blocks[{i}]" for i in range(3)]
-    assert [m["path"] for m in before.search_modules(0, "encoder")["items"]][0] == "encoder"
+    assert before.search_modules(0, "encoder")["items"][0]["path"] == "encoder"
     assert len(before.search_modules(0, "", "not-updating")["items"]) == 3
     assert before.search_modules(0, "%")["items"] == []          # LIKE wildcards are literal
     capped = before.search_modules(0, "e", limit=2)
@@ -68,14 +89,16 @@ def test_search_and_filter(before):
 def test_findings_sorted_by_severity(tmp_path):
     st = synth_store.demo(tmp_path / "modscope.sqlite", steps=3, live=True)
     st.add_finding("frozen-parameter", "stem.bias", "info", 1, "frozen")
-    st.add_finding("dead-units", "head", "warning", 6, "dead")
+    st.add_finding("dead-units", "head", "warning", 6, "dead", count=4, cause=("dead-layer", "stem"))
     st.add_finding("saturated", "stem", "warning", 1, "old", active=0)
     st.close()
     s = Store.open_snapshot(tmp_path / "modscope.sqlite")
     sev = [f["severity"] for f in s.findings()]
     assert sev == sorted(sev, key=["error", "warning", "info"].index) and sev[-1] == "info"
     assert len(s.findings(active=None)) == len(s.findings()) + 1
-    assert s.findings(module_id=6)[0]["code"] == "dead-units"
+    dead = s.findings(module_id=6)[0]
+    assert (dead["code"], dead["count"], dead["cause_code"], dead["cause_path"]) == ("dead-units", 4, "dead-layer",
+                                                                                    "stem")
     assert s.finding_codes() == ["dead-units", "frozen-parameter", "not-updating", "unregistered-module"]
     assert s.module_for_path(0, "encoder.blocks[1].weight")["path"] == "encoder.blocks[1]"
     assert s.module_for_path(0, "nothing.here")["path"] == ""
@@ -106,6 +129,7 @@ def test_histograms_and_params(before):
     assert [p["name"] for p in params] == ["weight", "bias"]
     assert params[0]["shape"] == [16, 16] and params[0]["in_optimizer"] == 0 and params[0]["moved"] == 0
     assert params[0]["grad_norm"] is not None and params[0]["kind"] == "tensor"
+    assert params[0]["local_grad_norm"] is None and params[0]["fingerprint"] is None   # v2 columns, unwritten
 
 
 def test_state_dict_keys_and_compare(before, after):
@@ -122,13 +146,15 @@ def test_state_dict_keys_and_compare(before, after):
     assert (row["path_a"], row["path_b"], row["kind_a"], row["kind_b"]) == \
         ("encoder.blocks[0]", "encoder.blocks.0", "unregistered", "registered")
     assert row["in_opt_a"] == 0 and row["in_opt_b"] == 272 and row["changed"]
-    assert normalize_path("a.b['x'][3]") == "a.b.x.3"
 
 
-def test_snapshot_is_one_consistent_file(tmp_path):
+def test_snapshot_bytes_are_one_consistent_file(tmp_path):
+    """The download button's snapshot is probes.schema.snapshot's: one file in rollback-journal mode
+    (no -wal), with what it was taken of, as of one instant."""
     st = synth_store.demo(tmp_path / "run" / "modscope.sqlite", steps=10, live=True)
     live = Store.open_run(tmp_path / "run")
-    snap = live.snapshot_to(tmp_path / "snap.sqlite")
+    snap = tmp_path / "snap.sqlite"
+    snap.write_bytes(live.snapshot_bytes())
     st.add_steps(3)
     st.close()
     conn = sqlite3.connect(str(snap))
@@ -136,18 +162,75 @@ def test_snapshot_is_one_consistent_file(tmp_path):
     conn.close()
     s = Store.open_snapshot(snap)
     assert s.overview()["step"] == 9 and s.last_step() == 9
+    assert s.meta()["snapshot_of"] == str(live.path)
     assert not (tmp_path / "snap.sqlite-wal").exists()
-    assert snap.read_bytes()[:16] == b"SQLite format 3\x00"
-    assert len(live.snapshot_bytes()) > 0
 
 
 def test_live_store_not_there_yet(tmp_path):
     s = Store.open_run(tmp_path / "later")
     assert not s.ready()
-    with pytest.raises(StoreNotReady):
+    with pytest.raises(StoreNotReadyError, match="waiting for the first sample"):
         s.overview()
     synth_store.demo(tmp_path / "later" / "modscope.sqlite", steps=2)
     assert s.ready() and s.overview()["step"] == 1
+
+
+def test_a_per_rank_store_that_appears_later_is_found(tmp_path):
+    """The writer's file names (modscope-<run>-rank<R>.sqlite) are looked for again until one exists."""
+    run = tmp_path / "later"
+    s = Store.open_run(run)
+    assert not s.ready() and s.where == run
+    run.mkdir()
+    (run / "demo.log").write_text("not a store")
+    assert not s.ready()
+    synth_store.demo(run / schema.store_filename("r1", 0), steps=3)
+    assert s.ready() and s.path == run / schema.store_filename("r1", 0) and s.last_step() == 2
+
+
+def test_resolve_store_path_picks_the_newest_runs_lowest_rank(tmp_path):
+    assert resolve_store_path(tmp_path / "missing") is None
+    assert resolve_store_path(tmp_path) is None
+    old, new = (tmp_path / schema.store_filename(r, k) for r, k in (("aaa", 0), ("bbb", 1)))
+    for p in (old, new, tmp_path / schema.store_filename("bbb", 2), tmp_path / "modscope-bbb-rank2.sqlite.status"):
+        p.write_bytes(b"")
+    os.utime(old, (1000, 1000))
+    for p in (new, tmp_path / schema.store_filename("bbb", 2)):
+        os.utime(p, (2000, 2000))
+    assert resolve_store_path(tmp_path) == new                   # the newest run, its lowest rank
+    os.utime(old, (3000, 3000))
+    assert resolve_store_path(tmp_path) == old
+    Path(str(new) + "-wal").write_bytes(b"")                     # a commit to run bbb's WAL makes it the newest
+    os.utime(Path(str(new) + "-wal"), (4000, 4000))
+    assert resolve_store_path(tmp_path) == new
+    tie = tmp_path / "tie"
+    tie.mkdir()
+    for run_id in ("r1", "r2"):
+        p = tie / schema.store_filename(run_id, 0)
+        p.write_bytes(b"")
+        os.utime(p, (5000, 5000))
+    assert resolve_store_path(tie) == tie / schema.store_filename("r2", 0)     # a tie: the larger run id
+    (tie / schema.LEGACY_STORE_FILENAME).write_bytes(b"")
+    assert resolve_store_path(tie) == tie / schema.LEGACY_STORE_FILENAME     # a version-1 run directory
+
+
+def test_a_bad_store_that_appears_later_says_what_is_wrong(tmp_path):
+    """A store that appears after the dashboard started and is newer or corrupt: the same one-line
+    error as at start-up, not "waiting" forever."""
+    run = tmp_path / "run"
+    s = Store.open_run(run)
+    assert not s.ready()
+    p = run / schema.store_filename("r1", 0)
+    synth_store.demo(p, steps=1)
+    conn = sqlite3.connect(str(p))
+    conn.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    expected = f"{p}: written by schema version {schema.SCHEMA_VERSION + 1}, this dashboard reads up to " \
+               f"{schema.SCHEMA_VERSION}"
+    assert _err(s.ready) == expected
+    assert _err(lambda: Store.open_run(run)) == expected
+    p.write_bytes(b"plain text, not a database" * 50)
+    assert _err(s.ready) == _err(lambda: Store.open_run(run)) == f"{p}: not an SQLite file"
 
 
 def test_reads_while_the_writer_writes(tmp_path):
@@ -160,19 +243,58 @@ def test_reads_while_the_writer_writes(tmp_path):
         done.set()
     t = threading.Thread(target=write)
     t.start()
-    seen = 0
+    seen = []
     while not done.is_set():
-        seen = max(seen, s.last_step() or 0)
+        seen.append(s.last_step())
     t.join()
     st.close()
     assert s.last_step() == 40
+    # every read saw a committed state: a step the writer had reached, never going back
+    assert seen and all(isinstance(x, int) and 0 <= x <= 40 for x in seen) and seen == sorted(seen)
 
 
 def test_queries_are_time_limited(before):
     slow = Store(before.path, live=True, timeout_s=0.2)
-    with pytest.raises(QueryTimeout):
+    with pytest.raises(QueryTimeoutError):
         slow._query("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
                     "SELECT COUNT(*) FROM c")
+
+
+# -- versions ------------------------------------------------------------------------------------------
+def test_a_version_1_store_reads_the_added_columns_as_their_defaults(tmp_path):
+    p = tmp_path / "modscope.sqlite"
+    st = synth_store.demo(p, steps=5, live=True)
+    st.add_finding("dead-units", "head", "warning", 6, "dead", count=3)
+    st.close()
+    synth_store.as_version_1(p)
+    conn = sqlite3.connect(str(p))
+    assert "count" not in {r[1] for r in conn.execute("PRAGMA table_info(findings)")}
+    conn.close()
+    s = Store.open_snapshot(p)
+    assert s.validate().schema_version == 1
+    f = s.findings(module_id=6)[0]
+    assert (f["code"], f["count"], f["cause_code"], f["cause_path"]) == ("dead-units", 1, None, None)
+    ov = s.overview()
+    assert ov["write_errors"] == 0 and ov["last_error"] is None and ov["findings"]["warning"] == 1
+    blk = s.module_by_path(0, "encoder.blocks[0]")
+    params = s.module_params(0, blk["module_id"])
+    assert params[0]["local_grad_norm"] is None and params[0]["fingerprint"] is None
+    assert params[0]["grad_norm"] is not None
+    assert s.change_signature().write_errors == 0 and s.write_trouble() is None
+    assert Store.open_run(tmp_path).ready()                       # live too
+
+
+def test_newer_schema(tmp_path):
+    p = tmp_path / "modscope.sqlite"
+    synth_store.demo(p, steps=1)
+    conn = sqlite3.connect(str(p))
+    conn.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    assert _err(lambda: Store.open_snapshot(p)) == \
+        f"{p}: written by schema version {schema.SCHEMA_VERSION + 1}, this dashboard reads up to " \
+        f"{schema.SCHEMA_VERSION}"
+    assert f"schema version {schema.SCHEMA_VERSION + 1}" in _err(lambda: Store.open_run(tmp_path))
 
 
 # -- bad files: one line naming the path and the problem ------------------------------------------
@@ -184,9 +306,15 @@ def _err(fn) -> str:
     return msg
 
 
+def test_store_errors_are_one_line():
+    assert str(StoreError("x.sqlite: corrupt SQLite file (*** in database main ***\nPage 5: bad\n)")) == \
+        "x.sqlite: corrupt SQLite file (*** in database main *** Page 5: bad )"
+
+
 def test_missing_file(tmp_path):
     p = tmp_path / "nope.sqlite"
     assert _err(lambda: Store.open_snapshot(p)) == f"{p}: no such file"
+    assert _err(lambda: Store.open_snapshot(tmp_path)) == f"{tmp_path}: no store in this directory"
 
 
 def test_not_sqlite(tmp_path):
@@ -197,18 +325,6 @@ def test_not_sqlite(tmp_path):
     e = tmp_path / "empty.sqlite"
     e.write_bytes(b"")
     assert "empty file" in _err(lambda: Store.open_snapshot(e))
-
-
-def test_newer_schema(tmp_path):
-    p = tmp_path / "modscope.sqlite"
-    synth_store.demo(p, steps=1)
-    conn = sqlite3.connect(str(p))
-    conn.execute("PRAGMA user_version = 3")
-    conn.commit()
-    conn.close()
-    assert _err(lambda: Store.open_snapshot(p)) == \
-        f"{p}: written by schema version 3, this dashboard reads up to {SUPPORTED_SCHEMA_VERSION}"
-    assert "schema version 3" in _err(lambda: Store.open_run(tmp_path))
 
 
 def test_not_a_modscope_store(tmp_path):
@@ -249,39 +365,144 @@ def test_ranks_are_separate(tmp_path):
     assert s.search_modules(1, "blocks")["items"] == []
 
 
+# -- the writer's heartbeat ---------------------------------------------------------------------------
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def beat(**kw) -> Heartbeat:
+    values = {"status": "running", "updated_at": 1000.0, "pid": os.getpid(), "hostname": socket.gethostname(),
+              "median_step_s": 0.1}
+    values.update(kw)
+    return Heartbeat(**values)
+
+
+def test_liveness_rules():
+    assert liveness(beat(), now=1000.0 + STALL_MIN_S - 1, alive=True).state is RunState.RUNNING
+    stalled = liveness(beat(), now=1000.0 + 300, alive=True)
+    assert stalled.state is RunState.STALLED and stalled.silent_s == 300
+    assert liveness(beat(), now=1000.0 + 300, alive=None).state is RunState.STALLED       # another host
+    assert liveness(beat(), now=1000.0 + 1, alive=False).state is RunState.ENDED          # gone: at once
+    # slow steps: 5 median steps (here 60 s each) before a silence counts as a stall
+    assert liveness(beat(median_step_s=60.0), now=1000.0 + 290, alive=True).state is RunState.RUNNING
+    assert liveness(beat(median_step_s=60.0), now=1000.0 + 301, alive=True).state is RunState.STALLED
+    assert liveness(beat(status="closed"), now=1e9, alive=False).state is RunState.CLOSED
+    assert liveness(beat(status=None), now=1e9, alive=None).state is RunState.UNKNOWN
+
+
+def test_process_alive_only_on_this_host():
+    me = socket.gethostname()
+    assert process_alive(os.getpid(), me) is True
+    assert process_alive(dead_pid(), me) is False
+    assert process_alive(os.getpid(), me + "-elsewhere") is None
+    assert process_alive(None, me) is None and process_alive(0, me) is None
+    assert process_alive(1, me) is True                          # pid 1 exists (maybe not ours to signal)
+
+
+def test_store_liveness_from_its_heartbeat(tmp_path):
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=3, live=True)
+    s = Store.open_run(tmp_path)
+    st.set_rank(hostname=socket.gethostname(), pid=os.getpid(), updated_at=time.time())
+    assert s.liveness().state is RunState.RUNNING
+    st.set_rank(updated_at=time.time() - 600)
+    life = s.liveness()
+    assert life.state is RunState.STALLED and life.silent_s >= 600
+    st.set_rank(pid=dead_pid())
+    assert s.liveness().state is RunState.ENDED
+    st.set_rank(hostname="another-host")
+    assert s.liveness().state is RunState.STALLED
+    st.close()
+    assert s.liveness().state is RunState.CLOSED
+
+
+def test_a_snapshot_says_what_it_recorded(tmp_path):
+    st = synth_store.demo(tmp_path / "run" / "modscope.sqlite", steps=3, live=True)
+    st.set_rank(hostname=socket.gethostname(), pid=dead_pid(), updated_at=0.0)
+    snap = tmp_path / "snap.sqlite"
+    snap.write_bytes(Store.open_run(tmp_path / "run").snapshot_bytes())
+    st.close()
+    assert Store.open_snapshot(snap).liveness().state is RunState.COPIED_RUNNING
+
+
+# -- the writer's health: failed commits ---------------------------------------------------------------
+def write_status(store_path: Path, **kw) -> None:
+    values = {"state": schema.WriterState.OK, "updated_at": time.time()}
+    values.update(kw)
+    schema.status_path(store_path).write_bytes(schema.encode_status(schema.WriterStatus(**values)))
+
+
+def test_write_trouble_while_failing_and_after(tmp_path):
+    p = tmp_path / schema.store_filename("r1", 0)
+    st = synth_store.demo(p, steps=3, live=True)
+    s = Store.open_run(tmp_path)
+    assert s.write_trouble() is None
+    write_status(p, state=schema.WriterState.FAILING, failing_since=1000.0, error="database or disk is full",
+                 failed_commits=3, dropped_samples=120)
+    t = s.write_trouble()
+    assert (t.failing, t.failing_since, t.error, t.failed_commits, t.dropped_samples) == \
+        (True, 1000.0, "database or disk is full", 3, 120)
+    write_status(p, failed_commits=3, dropped_samples=120, error="database or disk is full")   # recovered
+    st.set_rank(write_errors=3, last_error="database or disk is full")
+    t = s.write_trouble()
+    assert (t.failing, t.failed_commits, t.dropped_samples, t.error) == (False, 3, 120, "database or disk is full")
+    assert s.change_signature().write_errors == 3
+    schema.status_path(p).write_bytes(b"\x00garbage")             # an unreadable status is no status
+    t = s.write_trouble()
+    assert (t.failing, t.failed_commits, t.error) == (False, 3, "database or disk is full")
+    st.close()
+
+
+def test_change_signature_moves_with_the_store(tmp_path):
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=3, live=True)
+    s = Store.open_run(tmp_path)
+    a = s.change_signature()
+    assert (a.last_step, a.stats_step, a.status, a.structure[0]) == (2, 2, "running", 7)
+    st.add_steps(1)
+    b = s.change_signature()
+    assert b.last_step == 3 and b.structure == a.structure        # a step: the tree is unchanged
+    st.add_finding("dead-units", "head", "warning", 6, "dead")
+    assert s.change_signature().structure != b.structure          # a finding: the tree's badges change
+    st.close()
+    assert s.change_signature().status == "closed"
+
+
 def test_finished_run_in_a_read_only_place():
     """A finished run's store is still a WAL-mode file; where the -shm file cannot be created
     (a read-only copy of runs/), it must still open (as immutable: nothing writes it)."""
-    import os
     import shutil
-    import subprocess
-    import sys as _sys
     import tempfile
-    from pathlib import Path as _P
-    base = _P(tempfile.mkdtemp(prefix="modscope-ro-"))   # not under pytest's 0700 tmp dir
+    repo = Path(__file__).resolve().parents[2]
+    base = Path(tempfile.mkdtemp(prefix="modscope-ro-"))   # not under pytest's 0700 tmp dir
     run, lib = base / "run", base / "lib"
     synth_store.demo(run / "modscope.sqlite", steps=3)
     assert not (run / "modscope.sqlite-wal").exists()
-    lib.mkdir()
-    shutil.copy(_P(__file__).resolve().parents[2] / "dashboard" / "data.py", lib / "data.py")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import data; "
+    shutil.copytree(repo / "dashboard", lib / "dashboard")
+    (lib / "probes").mkdir()
+    for name in ("__init__.py", "_version.py", "schema.py"):
+        shutil.copy(repo / "probes" / name, lib / "probes" / name)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dashboard import data; "
             "s = data.Store.open_run(sys.argv[2]); print(s.overview()['step'], len(s.module_series(0, 1)['step']))")
-    for p in (lib / "data.py", run / "modscope.sqlite"):
-        os.chmod(p, 0o444)
-    for p in (base, run, lib):
+    for p in (*lib.rglob("*"), run / "modscope.sqlite"):
+        if p.is_file():
+            os.chmod(p, 0o444)
+    dirs = [base, run, lib, *(p for p in lib.rglob("*") if p.is_dir())]
+    for p in dirs:
         os.chmod(p, 0o555)
     try:
         if os.geteuid() != 0:
-            cmd = [_sys.executable, "-c", code, str(lib), str(run)]
+            cmd = [sys.executable, "-c", code, str(lib), str(run)]
         elif shutil.which("runuser") and os.path.exists("/usr/bin/python3"):
             cmd = ["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", code, str(lib), str(run)]
         else:
             pytest.skip("needs a non-root user to make a directory read-only")
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""},
+                           check=False)
         if r.returncode != 0 and "Permission denied" in r.stderr and "python" in r.stderr:
             pytest.skip("no interpreter usable by the unprivileged user")
         assert r.returncode == 0 and r.stdout.split() == ["2", "3"], r.stderr
     finally:
-        for p in (base, run, lib):
+        for p in dirs:
             os.chmod(p, 0o755)
         shutil.rmtree(base, ignore_errors=True)

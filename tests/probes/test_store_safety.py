@@ -208,3 +208,28 @@ def test_full_disk_at_start_is_a_clear_error_and_leaves_no_file(tiny_filesystem)
     message = str(info.value)
     assert "\n" not in message and "cannot create the store (the disk is full" in message
     assert [p.name for p in (fs / "run").iterdir()] == []
+
+
+def test_a_version_1_store_written_again_gets_the_version_2_columns(tmp_path, monkeypatch):
+    """Reusing a run id on a store of modscope 0.1 (schema 1) upgrades it instead of writing rows its
+    tables cannot hold."""
+    from probes.schema import ADDED_COLUMNS, store_filename
+    run_id = f"old-{uuid.uuid4().hex[:8]}"
+    store = tmp_path / store_filename(run_id, 0)
+    con = sqlite3.connect(store)
+    con.executescript(probes.schema.DDL)
+    for table, columns in ADDED_COLUMNS.items():
+        for column, _ in columns:
+            con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    con.execute("PRAGMA user_version = 1")
+    con.commit()
+    con.close()
+    monkeypatch.setenv("MODSCOPE_RUN_ID", run_id)
+    model = zoo.XORClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, opt, w, 3, xor_batches())
+    assert w.store_path == store
+    assert rows(store, "PRAGMA user_version") == [(2,)]
+    assert rows(store, "SELECT COUNT(*) FROM findings WHERE cause_code='unregistered-module'")[0][0] > 0
+    assert rows(store, "SELECT write_errors FROM ranks") == [(0,)]

@@ -1,0 +1,35 @@
+"""Where the dashboard's files are, in a checkout and in an installed wheel.
+
+In the checkout the static assets and the demo training live at the top of the repository
+(``assets/``, ``examples/demo_train.py``); the wheel carries them inside the package
+(``dashboard/assets``, ``dashboard/demo_train.py``: pyproject.toml's force-include). The
+packaged location is looked at first, so an installed copy never reads a checkout's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+SOURCE_ROOT = PACKAGE.parent          # the checkout's root (in a wheel: site-packages)
+
+
+def assets_dir() -> Path:
+    """The folder of the dashboard's CSS/JS (Dash's ``assets_folder``, the report's CSS)."""
+    packaged = PACKAGE / "assets"
+    return packaged if packaged.is_dir() else SOURCE_ROOT / "assets"
+
+
+def demo_script() -> Path:
+    """The demo training script that ``modscope demo`` (``python app.py``) runs."""
+    packaged = PACKAGE / "demo_train.py"
+    return packaged if packaged.is_file() else SOURCE_ROOT / "examples" / "demo_train.py"
+
+
+def source_checkout() -> Path | None:
+    """The checkout's root when the dashboard runs from one (not from an installed wheel): child
+    processes (``python -m probes.autorun``, ``python -m dashboard.cli``) started from another
+    folder then need it on their ``PYTHONPATH``."""
+    root = SOURCE_ROOT
+    if (root / "pyproject.toml").is_file() and (root / "probes" / "__init__.py").is_file():
+        return root
+    return None

@@ -1,0 +1,121 @@
+"""From what was measured to findings: the detectors' window, the event book, the structural and run-time
+findings, causes, and the tracker that turns the difference into store operations.
+
+The Watcher hands it the decoded values of sampled steps, the sentinels' forward logs and the losses; it
+hands back store operations. No hooks, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from . import decode, records
+from .capture import StepRecord
+from .causes import assign_causes
+from .decode import ModuleStep, Values
+from .detectors import BypassCandidate, DynamicDetectors, StepEvidence, TensorSample
+from .events import EventBook, SampledEvents
+from .findings import Finding
+from .model_index import ModelIndex
+from .records import Op
+from .sentinels import ForwardLog
+from .tracker import FindingTracker
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedStep:
+    """One sampled step's statistics, decoded."""
+
+    step: int
+    record: StepRecord
+    modules: dict[int, ModuleStep]
+    tensors: dict[int, TensorSample]
+
+
+class Evaluator:
+    def __init__(self, rank: int, window: int) -> None:
+        self.rank = rank
+        self.detectors = DynamicDetectors(window)
+        self.events = EventBook()
+        self.tracker = FindingTracker(rank)
+        self.static: list[Finding] = []           # what the structure walk shows
+        self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
+        self._moved: dict[int, int] = {}
+
+    def active(self) -> list[Finding]:
+        return self.tracker.active()
+
+    # ------------------------------------------------------------------------------ sampled steps
+    def decode(self, step: int, rec: StepRecord, values: Values, index: ModelIndex) -> tuple[DecodedStep, list[Op]]:
+        """Samples of one step, fed to the detectors' window; and the store rows of its statistics."""
+        modules = decode.module_samples(step, rec, values)
+        tensors = decode.tensor_samples(step, rec, values, lambda tid: index.tensors[tid].numel)
+        self.detectors.observe({mid: m.sample for mid, m in modules.items()}, tensors)
+        ops = [records.module_stats_op(decode.module_stat_rows(self.rank, step, modules)),
+               records.param_stats_op(decode.param_stat_rows(self.rank, step, tensors))]
+        moved = decode.moved_changes(tensors, self._moved)
+        if moved:
+            self._moved.update(moved)
+            ops.append(records.moved_op(self.rank, moved))
+        return DecodedStep(step, rec, modules, tensors), ops
+
+    def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[Finding],
+                 optimizers_watched: bool) -> list[Op]:
+        """The findings after a sampled step."""
+        step, rec = decoded.step, decoded.record
+        samples = {mid: m.sample for mid, m in decoded.modules.items()}
+        bad_modules = sorted((s.order, mid, s.nonfinite) for mid, s in samples.items() if s.nonfinite)
+        self.events.observe_sample(SampledEvents(
+            step=step, modes=rec.modes, called=frozenset(m for m, n in rec.calls.items() if n),
+            arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
+            bad_modules=[(mid, n) for _, mid, n in bad_modules],
+            bad_grads=sorted(t for t, ts in decoded.tensors.items() if ts.grad_norm is not None
+                             and not math.isfinite(ts.grad_norm) and index.tensor_known(t)),
+            optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
+        self.dynamic = self.detectors.evaluate(index, StepEvidence(step, samples, decoded.tensors,
+                                                                   rec.optimizer_stepped))
+        return self.publish(step, index, runtime, sampled=True)
+
+    # ------------------------------------------------------------------------------ every step
+    def forwards(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], step_ended: bool) -> None:
+        if not log.empty():
+            self.events.observe_forwards(step, log, mode_sensitive, step_ended)
+
+    def loss(self, step: int, value: float | None) -> None:
+        self.events.observe_loss(step, value)
+
+    @property
+    def changed(self) -> bool:
+        return self.events.changed
+
+    def publish(self, step: int, index: ModelIndex, runtime: Sequence[Finding], sampled: bool,
+                events: EventBook | None = None) -> list[Op]:
+        """Findings now: structure, run-time modules, the detectors' last view and the events, each consequence
+        naming its cause; the store operations that record the difference."""
+        book = events or self.events
+        current = assign_causes([*self.static, *runtime, *self.dynamic, *book.findings(index)])
+        book.changed = False
+        return self.tracker.update(step, current, index, sampled)
+
+    def preview(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], index: ModelIndex,
+                runtime: Sequence[Finding]) -> list[Op]:
+        """The step in progress evaluated without ending it (findings(), snapshot()): nothing is counted
+        twice when it ends."""
+        book = self.events.copy()
+        if not log.empty():
+            book.observe_forwards(step, log, mode_sensitive, step_ended=False)
+        return self.publish(step, index, runtime, sampled=False, events=book) if book.changed else []
+
+
+def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidate]:
+    """Tensors that got a gradient in a step in which none of their modules was called through __call__."""
+    if not rec.calls:
+        return []
+    out = []
+    for tid in sorted(rec.arrived):
+        owners = index.owners.get(tid, ())
+        if owners and not any(rec.calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
+            out.append(BypassCandidate(tid, owners))
+    return out

@@ -1,0 +1,437 @@
+"""The store contract, end to end: stores written by the real writer (``probes.watch``) on models of
+the zoo, read through every query ``dashboard.data`` offers, and rendered by every page builder.
+
+The writer's file name is changing, so a run's store is found by globbing ``modscope*.sqlite``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import shutil
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+import synth_store
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probes
+from dashboard import data as data_module
+from dashboard.data import RunState, Store, compare_stores, resolve_store_path
+from dashboard.pages import findings as findings_page
+from dashboard.pages import modules as modules_page
+from dashboard.pages import overview as overview_page
+from dashboard.report import build_report
+from probes import schema
+from tests.probes import zoo
+
+STEPS = 12
+HERE = Path(__file__)
+
+
+def store_file(run_dir: Path) -> Path:
+    files = sorted(run_dir.glob("modscope*.sqlite"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+class Recorded:
+    """One real run: where it is, what the training loop saw, and the writer's own findings."""
+
+    def __init__(self, run_dir: Path, losses: list[float], findings: list[probes.Finding]) -> None:
+        self.run_dir, self.losses, self.findings = run_dir, losses, findings
+
+    @property
+    def store(self) -> Store:
+        return Store.open_run(self.run_dir)
+
+
+def train(run_dir: Path, model: nn.Module, optimizers, step_fn, steps: int = STEPS) -> Recorded:
+    torch.manual_seed(0)
+    losses: list[float] = []
+    with probes.watch(model, optimizers, run_dir=run_dir, every=1) as w:
+        for _ in range(steps):
+            loss = step_fn()
+            losses.append(float(loss))
+            w.step(loss)
+        found = w.findings()
+    return Recorded(run_dir, losses, found)
+
+
+def classifier_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+class FixedXOR(zoo.XORClassifier):
+    """The zoo's XOR classifier after the fix: the encoder's blocks in an nn.ModuleList."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__(width, depth)
+        self.encoder.blocks = nn.ModuleList(self.encoder.blocks)
+
+
+class GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.discriminator(self.generator(z))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Recorded]:
+    base = tmp_path_factory.mktemp("runs")
+    out = {}
+    x, y = zoo.xor_data(256)
+    torch.manual_seed(0)
+    for name, cls in (("xor", zoo.XORClassifier), ("xor-fixed", FixedXOR)):
+        torch.manual_seed(0)
+        model = cls()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out[name] = train(base / name, model, opt, classifier_step(model, opt, x, y))
+
+    torch.manual_seed(0)
+    gpt = zoo.GPT()
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+
+    def gpt_step() -> torch.Tensor:
+        logits = gpt(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    out["gpt"] = train(base / "gpt", gpt, opt, gpt_step)
+
+    torch.manual_seed(0)
+    dead = zoo.DeadReLU()
+    opt_dead = torch.optim.SGD(dead.parameters(), lr=0.01)
+    out["dead"] = train(base / "dead", dead, opt_dead,
+                        classifier_step(dead, opt_dead, torch.randn(64, 8), torch.randint(0, 2, (64,))))
+
+    torch.manual_seed(0)
+    gan = GAN()
+    opt_g = torch.optim.Adam(gan.generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=1e-3)
+    real, z = torch.randn(32, 8), torch.randn(32, 4)
+    ones, zeros = torch.ones(32, 1), torch.zeros(32, 1)
+
+    def gan_step() -> torch.Tensor:
+        fake = gan.generator(z)
+        d_loss = (F.binary_cross_entropy_with_logits(gan.discriminator(real), ones)
+                  + F.binary_cross_entropy_with_logits(gan.discriminator(fake.detach()), zeros))
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        g_loss = F.binary_cross_entropy_with_logits(gan(z), ones)
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        return g_loss.detach()
+    out["gan"] = train(base / "gan", gan, [opt_g, opt_d], gan_step)
+    return out
+
+
+def by_path(s: Store, path: str) -> dict:
+    m = s.module_by_path(0, path)
+    assert m is not None, path
+    return m
+
+
+# -- the run directory and the run ----------------------------------------------------------------------
+def test_the_store_is_found_in_the_run_directory(runs):
+    r = runs["xor"]
+    path = store_file(r.run_dir)
+    assert resolve_store_path(r.run_dir) == path
+    for opened in (Store.open_run(r.run_dir), Store.open_any(r.run_dir), Store.open_run(path), Store.open_any(path)):
+        assert opened.path == path and opened.ready()
+    info = Store.open_snapshot(path).validate()
+    assert info.schema_version == schema.SCHEMA_VERSION and set(schema.TABLES) <= set(info.tables)
+
+
+def test_run_level_queries(runs):
+    r = runs["xor"]
+    s = r.store
+    meta = s.meta()
+    assert meta["schema_version"] == schema.SCHEMA_VERSION and meta["hist_edges"] == schema.HIST_EDGES
+    assert meta["run_name"] == "xor"
+    assert s.ranks() == [0]
+    assert s.last_step() == STEPS - 1
+    ov = s.overview()
+    assert ov["path"] == str(store_file(r.run_dir)) and ov["run_name"] == "xor"
+    assert ov["model_class"].endswith("XORClassifier") and ov["status"] == schema.RunStatus.CLOSED
+    assert ov["steps_recorded"] == STEPS and ov["samples_stored"] == STEPS and ov["step"] == STEPS - 1
+    assert ov["world_size"] == 1 and ov["sampling"]["every"] == 1
+    assert ov["samples_dropped"] == 0 and ov["probe_errors"] == 0 and ov["write_errors"] == 0
+    assert ov["modules"] == {"registered": 4, "unregistered": 3, "runtime": 0}
+    assert ov["params"]["total"] == 82 and ov["params"]["in_optimizer"] == 82 and ov["params"]["unregistered"] == 816
+    assert ov["findings"]["error"] == sum(1 for f in r.findings if f.severity == "error") >= 3
+    assert ov["pid"] == os.getpid() and ov["hostname"] == socket.gethostname()
+    assert 0 < ov["overhead"] and ov["started_at"] <= min(ov["updated_at"], ov["closed_at"])
+    assert s.probe_errors() == []
+    sig = s.change_signature()
+    assert (sig.last_step, sig.stats_step, sig.status, sig.structure[0]) == (STEPS - 1, STEPS - 1, "closed", 7)
+    beat = s.heartbeat()
+    assert (beat.pid, beat.hostname, beat.status) == (os.getpid(), socket.gethostname(), "closed")
+    assert beat.median_step_s is not None and beat.median_step_s > 0
+    assert s.liveness().state is RunState.CLOSED
+    assert s.write_trouble() is None
+
+
+def test_the_writers_step_counter_is_the_last_step(runs):
+    """ranks.step is "the last step seen" (probes/schema.py): the step of the newest steps row."""
+    conn = sqlite3.connect(store_file(runs["xor"].run_dir))
+    try:
+        counter = conn.execute("SELECT step FROM ranks WHERE rank = 0").fetchone()[0]
+        newest = conn.execute("SELECT MAX(step) FROM steps WHERE rank = 0").fetchone()[0]
+    finally:
+        conn.close()
+    assert counter == newest == STEPS - 1
+
+
+def test_losses_are_the_training_loops(runs):
+    r = runs["xor"]
+    s = r.store
+    series = s.loss_series()
+    assert series["step"] == list(range(STEPS)) and series["last"] == STEPS - 1
+    assert series["loss"] == pytest.approx(r.losses, rel=1e-6)
+    assert s.loss_series(since_step=STEPS - 3)["step"] == [STEPS - 2, STEPS - 1]
+    assert s.loss_series(max_points=4)["step"][-1] == STEPS - 1 and len(s.loss_series(max_points=4)["step"]) <= 5
+    assert s.final_loss() == pytest.approx(r.losses[-1], rel=1e-6)
+
+
+# -- the tree and the findings of the plain-list bug ------------------------------------------------------
+BLOCKS = [f"encoder.blocks[{i}]" for i in range(3)]
+
+
+def test_tree_of_the_plain_list_bug(runs):
+    s = runs["xor"].store
+    root = s.root()
+    assert root["type"] == "XORClassifier" and root["path"] == "" and root["kind"] == "registered"
+    assert s.module(0, root["module_id"]) == root
+    top = s.children(0, root["module_id"])
+    assert [m["path"] for m in top["items"]] == ["stem", "encoder", "head"] and top["more"] == 0
+    enc = by_path(s, "encoder")
+    blocks = s.children(0, enc["module_id"])["items"]
+    assert [(m["path"], m["name"], m["kind"], m["type"]) for m in blocks] == \
+        [(p, p.split(".")[1], "unregistered", "Linear") for p in BLOCKS]
+    assert [m["params_total"] for m in blocks] == [272] * 3 and [m["params_in_optimizer"] for m in blocks] == [0] * 3
+    assert s.ancestors(0, blocks[2]["module_id"]) == [root["module_id"], enc["module_id"]]
+    assert s.module_for_path(0, "encoder.blocks[1].weight")["path"] == "encoder.blocks[1]"
+    assert s.module_for_path(0, "no.such.module")["path"] == ""
+    assert [m["path"] for m in s.search_modules(0, "blocks")["items"]] == BLOCKS
+    assert [m["path"] for m in s.search_modules(0, "", "unregistered-module")["items"]] == BLOCKS
+    assert {m["path"] for m in s.all_modules()} == {"", "stem", "encoder", "head", *BLOCKS}
+    assert s.default_expanded()[:2] == [root["module_id"], enc["module_id"]]
+    inside = s.subtree_finding_counts()
+    assert inside[enc["module_id"]]["error"] == sum(inside[b["module_id"]]["error"] for b in blocks)
+
+
+def test_findings_of_the_plain_list_bug(runs):
+    r = runs["xor"]
+    s = r.store
+    stored = s.findings(active=None)
+    # the store holds what the writer found, with the same severity and cause
+    assert {(f["code"], f["path"], f["severity"]) for f in stored if f["active"]} == \
+        {(f.code, f.path, f.severity) for f in r.findings}
+    causes = {f.key: f.cause for f in r.findings}
+    for f in stored:
+        if f["active"]:
+            cause = causes[(f["code"], f["path"])]
+            assert (f["cause_code"], f["cause_path"]) == (tuple(cause) if cause else (None, None))
+        assert 1 <= f["count"] <= STEPS and 0 <= f["first_step"] <= f["last_step"] <= STEPS - 1
+        assert f["message"] and f["fix"] == schema.CODES[f["code"]].fix
+    unreg = [f for f in stored if f["code"] == "unregistered-module"]
+    assert [(f["path"], f["severity"], f["module_path"]) for f in unreg] == [(p, "error", p) for p in BLOCKS]
+    assert all("272" in f["message"] and f["evidence"]["reachable_from"] == "encoder" for f in unreg)
+    severities = [schema.SEVERITY_ORDER[schema.Severity(f["severity"])] for f in stored]
+    assert severities == sorted(severities)
+    assert {"unregistered-module", "not-updating"} <= set(s.finding_codes())
+    blk = by_path(s, BLOCKS[0])
+    own = s.findings_for_modules(0, [blk["module_id"]])[blk["module_id"]]
+    assert {f["code"] for f in own} >= {"unregistered-module", "not-updating"}
+    assert [f["path"] for f in s.findings(module_id=blk["module_id"]) if f["code"] == "not-updating"] == \
+        [f"{BLOCKS[0]}.bias", f"{BLOCKS[0]}.weight"]
+
+
+def test_module_series_histograms_and_params(runs):
+    s = runs["xor"].store
+    for m in s.all_modules():
+        series = s.module_series(0, m["module_id"])
+        assert series["step"] == list(range(STEPS)), m["path"]           # every step was sampled
+        assert all(c == 1 for c in series["calls"]) and series["last"] == STEPS - 1
+        assert all(v is not None and math.isfinite(v) for v in series["std"])
+    blk = by_path(s, BLOCKS[0])
+    assert s.module_series(0, blk["module_id"], since_step=STEPS - 2)["step"] == [STEPS - 1]
+    small = s.module_series(0, blk["module_id"], max_points=5)
+    assert 1 < len(small["step"]) <= 6 and small["step"][-1] == STEPS - 1
+    hist = s.module_hist(0, blk["module_id"])
+    assert hist["step"] == list(range(STEPS)) and hist["edges"] == schema.HIST_EDGES
+    assert all(len(c) == schema.HIST_BINS and sum(c) > 0 for c in hist["counts"])
+    params = {p["name"]: p for p in s.module_params(0, blk["module_id"])}
+    w = params["weight"]
+    assert (w["path"], w["shape"], w["kind"], w["in_optimizer"], w["in_state_dict"], w["moved"]) == \
+        (f"{BLOCKS[0]}.weight", [16, 16], "tensor", 0, 0, 0)
+    assert w["grad_norm"] > 0 and w["update_norm"] == 0 and w["stat_step"] == STEPS - 1
+    stem = {p["name"]: p for p in s.module_params(0, by_path(s, "stem")["module_id"])}["weight"]
+    assert (stem["kind"], stem["in_optimizer"], stem["opt_index"], stem["opt_group"], stem["lr"], stem["moved"]) == \
+        ("parameter", 1, 0, 0, pytest.approx(0.1), 1)
+    assert stem["update_ratio"] > 0
+    latest = s.latest_module_stats()
+    assert {m["module_id"] for m in s.all_modules()} == set(latest)
+    assert all(row["step"] == STEPS - 1 for row in latest.values())
+    assert s.state_dict_keys() == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
+
+
+def test_snapshot_round_trip(runs, tmp_path):
+    r = runs["xor"]
+    s = r.store
+    snap = tmp_path / "snap.sqlite"
+    snap.write_bytes(s.snapshot_bytes())
+    copy = Store.open_snapshot(snap)
+    assert not copy.live and copy.meta()["snapshot_of"] == str(s.path)
+    ignore = {"path", "live"}
+    assert {k: v for k, v in copy.overview().items() if k not in ignore} == \
+        {k: v for k, v in s.overview().items() if k not in ignore}
+    assert copy.findings(active=None) == s.findings(active=None)
+    blk = by_path(s, BLOCKS[1])["module_id"]
+    assert copy.module_series(0, blk) == s.module_series(0, blk)
+    assert copy.module_params(0, blk) == s.module_params(0, blk)
+    assert copy.liveness().state is RunState.CLOSED
+
+
+def test_the_writers_snapshot_opens_in_the_dashboard(runs, tmp_path):
+    """w.snapshot(path) while training: the dashboard opens it (review mode) and sees the run so far."""
+    x, y = zoo.xor_data(64)
+    torch.manual_seed(0)
+    model = zoo.XORClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = classifier_step(model, opt, x, y)
+    with probes.watch(model, opt, run_dir=tmp_path / "run", every=1) as w:
+        for _ in range(3):
+            w.step(step())
+        snap = w.snapshot(tmp_path / "during.sqlite")
+        live = Store.open_run(tmp_path / "run")
+        assert live.liveness().state is RunState.RUNNING and live.last_step() == 2
+        w.step(step())
+    s = Store.open_snapshot(snap)
+    assert s.last_step() == 2 and s.overview()["status"] == "running"
+    assert s.liveness().state is RunState.COPIED_RUNNING
+    assert [f["path"] for f in s.findings() if f["code"] == "unregistered-module"] == BLOCKS
+    assert Store.open_run(tmp_path / "run").liveness().state is RunState.CLOSED
+
+
+def test_compare_before_and_after_the_fix(runs):
+    cmp = compare_stores(runs["xor"].store, runs["xor-fixed"].store)
+    summary = {row["metric"]: (row["a"], row["b"]) for row in cmp["summary"]}
+    assert summary["unregistered modules"] == (3, 0) and summary["registered modules"] == (4, 8)
+    assert summary["parameters (registered)"] == (82, 898) and summary["held by optimizer"] == (82, 898)
+    assert summary["checkpoint keys"] == (4, 10)
+    assert {(f["code"], f["path"]) for f in cmp["findings_resolved"]} >= {("unregistered-module", p) for p in BLOCKS}
+    assert not [f for f in cmp["findings_appeared"] if f["severity"] == "error"]
+    assert cmp["keys_added"] == sorted(f"encoder.blocks.{i}.{n}" for i in range(3) for n in ("bias", "weight"))
+    row = next(m for m in cmp["modules"] if m["key"] == "encoder.blocks.0")
+    assert (row["path_a"], row["path_b"], row["kind_a"], row["kind_b"]) == \
+        ("encoder.blocks[0]", "encoder.blocks.0", "unregistered", "registered")
+    assert (row["in_opt_a"], row["in_opt_b"]) == (0, 272) and row["changed"]
+
+
+# -- other models of the zoo --------------------------------------------------------------------------------
+def test_tied_weights_of_a_gpt(runs):
+    s = runs["gpt"].store
+    shared = [f for f in s.findings() if f["code"] == "shared-parameter"]
+    assert [(f["path"], f["severity"]) for f in shared] == [("wte.weight", "info")]
+    wte = {p["name"]: p for p in s.module_params(0, by_path(s, "wte")["module_id"])}["weight"]
+    assert wte["aliases"] == ["head.weight"] and wte["in_state_dict"] == 1
+    keys = s.state_dict_keys()
+    assert {"wte.weight", "head.weight"} <= set(keys) and not [k for k in keys if k.endswith(".mask")]
+    mask = {p["name"]: p for p in s.module_params(0, by_path(s, "blocks.0.attn")["module_id"])}["mask"]
+    assert (mask["kind"], mask["in_state_dict"], mask["requires_grad"]) == ("buffer", 0, 0)
+    ov = s.overview()
+    assert ov["modules"]["unregistered"] == 0 and ov["params"]["total"] == ov["params"]["in_optimizer"] > 0
+    assert s.module_series(0, by_path(s, "blocks.1.mlp")["module_id"])["step"] == list(range(STEPS))
+
+
+def test_dead_relu(runs):
+    s = runs["dead"].store
+    act = by_path(s, "act")
+    assert [(f["code"], f["severity"], f["module_path"]) for f in s.findings() if f["code"].startswith("dead")] == \
+        [("dead-layer", "error", "act")]
+    assert s.module_series(0, act["module_id"])["dead_frac"] == [1.0] * STEPS
+    assert [m["path"] for m in s.search_modules(0, "", "dead-layer")["items"]] == ["act"]
+    assert act["module_id"] in s.default_expanded() or s.root()["module_id"] in s.default_expanded()
+
+
+def test_two_optimizers_of_a_gan(runs):
+    r = runs["gan"]
+    s = r.store
+    for prefix, index in (("generator", 0), ("discriminator", 1)):
+        for layer in (0, 2):
+            params = s.module_params(0, by_path(s, f"{prefix}.{layer}")["module_id"])
+            assert {(p["name"], p["opt_index"], p["in_optimizer"], p["moved"]) for p in params} == \
+                {("weight", index, 1, 1), ("bias", index, 1, 1)}
+    assert s.module_series(0, by_path(s, "generator")["module_id"])["calls"] == [2] * STEPS
+    assert s.module_series(0, by_path(s, "discriminator")["module_id"])["calls"] == [3] * STEPS
+    assert s.loss_series()["loss"] == pytest.approx(r.losses, rel=1e-6)
+    assert s.last_step() == STEPS - 1 and s.overview()["params"]["in_optimizer"] == 377
+
+
+# -- a version-1 store of the real writer ---------------------------------------------------------------------
+def test_a_real_store_as_version_1(runs, tmp_path):
+    copy = tmp_path / schema.LEGACY_STORE_FILENAME
+    shutil.copy(store_file(runs["xor"].run_dir), copy)
+    synth_store.as_version_1(copy)
+    old, new = Store.open_run(tmp_path), runs["xor"].store
+    assert old.path == copy and old.validate().schema_version == 1
+    assert [(f["code"], f["path"], f["count"], f["cause_code"]) for f in old.findings(active=None)] == \
+        [(f["code"], f["path"], 1, None) for f in new.findings(active=None)]
+    assert old.overview()["findings"] == new.overview()["findings"] and old.overview()["write_errors"] == 0
+    blk = by_path(old, BLOCKS[0])["module_id"]
+    assert [p["local_grad_norm"] for p in old.module_params(0, blk)] == [None, None]
+
+
+# -- every page renders every real store ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["xor", "gpt", "dead", "gan"])
+def test_every_page_builder_renders_a_real_store(runs, name):
+    s = runs[name].store
+    ov = s.overview()
+    assert overview_page.overview_cards(ov)
+    assert overview_page.top_findings(s.findings(), sum(ov["findings"].values()))
+    tree, info = modules_page.build_tree(s, 0, s.default_expanded(), None)
+    assert tree["rows"] and info.endswith("nodes shown")
+    for m in s.all_modules():
+        detail = modules_page.detail_full(s, 0, m["module_id"])
+        called = bool(s.module_series(0, m["module_id"])["step"])        # a ModuleList is never called
+        assert detail.state["module_id"] == m["module_id"] and detail.state["has_data"] == called, m["path"]
+        assert detail.state["last"] == (STEPS - 1 if called else None)
+    assert findings_page.finding_list(s.findings(active=None), ["error", "warning", "info"])
+    report = build_report(s)
+    assert ov["run_name"] in report and "<script src" not in report
+
+
+# -- the contract test covers every query ----------------------------------------------------------------------
+def test_every_public_query_is_exercised_here():
+    """A query added to dashboard.data must be read here against real stores too."""
+    source = HERE.read_text()
+    queries = {name for name, member in inspect.getmembers(Store) if not name.startswith("_") and callable(member)}
+    functions = {name for name, member in inspect.getmembers(data_module, inspect.isfunction)
+                 if member.__module__ == data_module.__name__ and not name.startswith("_")}
+    not_queries = {"one_line", "check_header", "severity_rank", "liveness", "process_alive"}
+    assert {"findings", "module_series", "compare_stores", "resolve_store_path"} <= queries | functions
+    missing = sorted(n for n in (queries | functions) - not_queries if f"{n}(" not in source)
+    assert not missing, f"not exercised against a real store: {missing}"
