@@ -12,7 +12,8 @@ How the model is found:
    of theirs running): the model's forward, and anything else a script calls directly.
 2. PyTorch's global optimizer step post-hook sees every optimizer step. At the first step of
    the run the module hooks are removed: with a global module hook, no module takes PyTorch's
-   no-hook fast path, so they live only until the forward that precedes the first step has run.
+   no-hook fast path, so they live only until the forward that precedes the first step has run
+   (or ``MAX_TRACKED_CALLS`` top-level calls, when no optimizer steps that soon).
 3. At an optimizer's second step, its model is the outermost top-level module whose registered
    parameters hold (by identity) the most of the optimizer's parameters; when no top-level module
    holds all of them (a model built after the first step, or an optimizer spanning two top-level
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import os
 import sys
 import threading
@@ -52,6 +54,10 @@ from .watcher import Watcher
 __all__ = ["AutoWatch", "install"]
 
 _in_fork_child = False          # set in every process forked from one that imported this module
+# Top-level module calls after which the forward tracking stops even if no optimizer stepped yet (a
+# long evaluation first, an inference-only script, an optimizer that is no torch.optim.Optimizer):
+# the modules seen so far stay candidates, and the fast path comes back.
+MAX_TRACKED_CALLS = 100
 
 
 def _mark_fork_child() -> None:
@@ -112,6 +118,7 @@ class AutoWatch:
         self._local = threading.local()      # the module call depth, per thread
         self._top: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._pending: dict[int, tuple[weakref.ref[Optimizer], int]] = {}    # id(opt) -> (ref, order)
+        self._order = itertools.count()
         self._done: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._module_handles: list[RemovableHandle] = []
@@ -171,6 +178,10 @@ class AutoWatch:
         if depth == 0:
             self._top.add(module)
             self.top_level_calls += 1
+            if self.top_level_calls >= MAX_TRACKED_CALLS:
+                with self._lock:
+                    self._stop_tracking()        # safe in a hook: PyTorch iterates a copy of the hooks
+                return
         self._local.depth = depth + 1
 
     def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -187,7 +198,7 @@ class AutoWatch:
                 self._stop_tracking()            # the forward of the first step has run
             entry = self._pending.get(id(opt))
             if entry is None or entry[0]() is not opt:
-                self._pending[id(opt)] = (weakref.ref(opt), len(self._pending))
+                self._pending[id(opt)] = (weakref.ref(opt), next(self._order))
             else:
                 self._guarded(functools.partial(self._adopt, opt))
         self.discovery_s += time.perf_counter() - t0
@@ -241,7 +252,9 @@ class AutoWatch:
                 return _outermost(m for c, m in scored if c == best)
         # a model whose forward was not seen (built later), or an optimizer over several top-level
         # modules: the outermost module anywhere that holds all of them
-        holders = [o for o in gc.get_objects() if isinstance(o, nn.Module) and _coverage(o, wanted) == len(wanted)]
+        # type(o), not isinstance: isinstance reads o.__class__, which some proxies compute (and warn about)
+        holders = [o for o in gc.get_objects()
+                   if issubclass(type(o), nn.Module) and _coverage(o, wanted) == len(wanted)]
         found = _outermost(holders)
         if found is not None:
             return found

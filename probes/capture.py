@@ -23,6 +23,7 @@ from . import measure
 from .guard import ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
+from .schema import TensorKind
 from .structure import ModuleNode, unit_dim
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
@@ -80,6 +81,8 @@ class StepRecord:
     orphans_checked: bool = False
     modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
+    fingerprints: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)   # replicas must agree
+    local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     measured: dict[OutputKey, int] = dataclasses.field(default_factory=dict)   # output -> slot (wrappers share)
@@ -96,8 +99,11 @@ class StepCapture:
     indirection on the hot path)."""
 
     def __init__(self, probe: ProbeRuntime, runtime_modules: RuntimeModules,
-                 on_new_module: Callable[[ModuleNode], None], compiled: bool) -> None:
+                 on_new_module: Callable[[ModuleNode], None], compiled: bool, replicas: bool = False) -> None:
+        """``replicas``: one of several data-parallel ranks: fingerprints and this rank's own gradient
+        norms are taken too, for the reader to compare ranks."""
         self.probe = probe
+        self.replicas = replicas
         self.runtime_modules = runtime_modules
         self.on_new_module = on_new_module
         self.index: ModelIndex | None = None
@@ -160,6 +166,8 @@ class StepCapture:
             for t in index.grad_hook_targets():
                 assert t.tensor is not None
                 rec.handles.append(t.tensor.register_hook(self._eager(functools.partial(self.on_grad, t.param_id))))
+            if self.replicas:
+                self.measure_fingerprints(rec, index)
         # the global pre-hook registered just now does not run for the call in progress
         self.on_pre_forward(module, args)
 
@@ -170,6 +178,8 @@ class StepCapture:
             return
         with self.probe.guard("forward-pre-hook"):
             mid = index.module_ids.get(id(module))
+            if mid is None and id(module) in index.wrappers:
+                return                # a wrapper inside the model (an FSDP unit): its module is what counts
             if mid == index.root_id:
                 rec.stack = [mid]
                 rec.root_training = module.training
@@ -190,6 +200,8 @@ class StepCapture:
         with self.probe.guard("forward-hook"):
             mid = index.module_ids.get(id(module))
             if mid is None:
+                if id(module) in index.wrappers:
+                    return
                 mid = self.runtime_modules.lookup(module, rec.sightings)
                 if mid is None:
                     return
@@ -249,9 +261,11 @@ class StepCapture:
             if tensor_id in rec.arrived:
                 return
             rec.arrived.add(tensor_id)
+            if self.replicas:         # this rank's own gradient: the hook runs before any all-reduce
+                rec.local_grads[tensor_id] = rec.measurements.add(measure.norm32(measure.local(grad).detach()))
             node = index.tensors.get(tensor_id)
-            existing = node.tensor.grad if node is not None and node.tensor is not None else None
-            if existing is not None and not existing.is_sparse:
+            existing = index.grad(tensor_id) if node is not None else None
+            if existing is not None:
                 rec.stale[tensor_id] = rec.measurements.add(measure.norm32(existing.detach()))
 
     # ====================================================================== optimizer steps
@@ -299,17 +313,32 @@ class StepCapture:
             self.measure_updates(rec, baseline)
         return rec
 
+    def measure_fingerprints(self, rec: StepRecord, index: ModelIndex) -> None:
+        """At the step's first forward (after DDP has broadcast the buffers): a fingerprint of every
+        parameter and buffer, and the data norm of the buffers (the parameters' comes at the optimizer step)."""
+        tids = index.fingerprint_tensors()
+        for group in _by_device(index, tids):
+            vec = measure.fingerprints([index.tensor(t) for t in group])
+            assert vec is not None
+            slot = rec.measurements.add(vec)
+            for pos, tid in enumerate(group):
+                rec.fingerprints[tid] = TensorSlot(slot, pos)
+        buffers = [t for t in tids if index.tensors[t].kind == TensorKind.BUFFER]
+        if buffers:
+            norms = measure.norms([index.tensor(t) for t in buffers])
+            assert norms is not None
+            slot = rec.measurements.add(norms)
+            for pos, tid in enumerate(buffers):
+                rec.data[tid] = TensorSlot(slot, pos)
+
     def measure_grads(self, rec: StepRecord, tensor_ids: list[int]) -> None:
         index = self.index
         assert index is not None
         have = [t for t in tensor_ids if t not in rec.grads]
-        with_grad = []
-        for t in have:
-            g = index.tensor(t).grad
-            if g is not None and not g.is_sparse:
-                with_grad.append(t)
+        grads = {t: index.grad(t) for t in have}
+        with_grad = [t for t in have if grads[t] is not None]
         if with_grad:
-            vec = measure.norms([index.tensor(t).grad for t in with_grad])  # type: ignore[misc]
+            vec = measure.norms([grads[t] for t in with_grad])  # type: ignore[misc]
             assert vec is not None
             slot = rec.measurements.add(vec)
             for pos, tid in enumerate(with_grad):
@@ -353,3 +382,10 @@ def _as_float(value: object) -> float | None:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+
+
+def _by_device(index: ModelIndex, tensor_ids: list[int]) -> list[list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for tid in tensor_ids:
+        groups.setdefault(index.tensor(tid).device, []).append(tid)
+    return list(groups.values())

@@ -69,7 +69,7 @@ def tensor_samples(step: int, rec: StepRecord, values: Values,
         return values[sp.slot][sp.pos] if sp is not None else None
 
     out: dict[int, TensorSample] = {}
-    for tid in set(rec.grads) | set(rec.data) | rec.arrived:
+    for tid in set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints):
         stale = values[rec.stale[tid]][0] if tid in rec.stale else None
         data, update, post = pick(rec.data, tid), pick(rec.updates, tid), pick(rec.post, tid)
         if update is not None:
@@ -79,7 +79,9 @@ def tensor_samples(step: int, rec: StepRecord, values: Values,
             if update == 0.0 and post is not None and data is not None and post != data:
                 update = abs(post - data)
         out[tid] = TensorSample(step=step, grad_norm=pick(rec.grads, tid), data_norm=data, update_norm=update,
-                                stale_grad_norm=stale, arrived=tid in rec.arrived, lr=rec.lrs.get(tid))
+                                stale_grad_norm=stale, arrived=tid in rec.arrived, lr=rec.lrs.get(tid),
+                                fingerprint=pick(rec.fingerprints, tid),
+                                local_grad_norm=values[rec.local_grads[tid]][0] if tid in rec.local_grads else None)
     return out
 
 
@@ -99,7 +101,8 @@ def module_stat_rows(rank: int, step: int, modules: Mapping[int, ModuleStep]) ->
 def param_stat_rows(rank: int, step: int, tensors: Mapping[int, TensorSample]) -> list[tuple[object, ...]]:
     """Rows of ``param_stats`` (records.PSTAT_COLS), non-finite floats as NULL."""
     return [_finite_row((rank, tid, step, s.grad_norm, s.data_norm, s.update_norm,
-                         (s.update_norm / s.data_norm) if s.update_norm is not None and s.data_norm else None))
+                         (s.update_norm / s.data_norm) if s.update_norm is not None and s.data_norm else None,
+                         s.local_grad_norm, s.fingerprint))
             for tid, s in tensors.items()]
 
 

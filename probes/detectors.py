@@ -58,6 +58,8 @@ class TensorSample:
     stale_grad_norm: float | None   # .grad found already non-zero when the first new gradient arrived
     arrived: bool
     lr: float | None = None         # its param group's learning rate at the optimizer step (read live)
+    fingerprint: float | None = None        # replicas: a sum of fixed strided values
+    local_grad_norm: float | None = None    # replicas: this rank's own gradient, before all-reduce
 
 
 @dataclasses.dataclass(frozen=True)

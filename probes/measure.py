@@ -21,6 +21,19 @@ _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NOT_APPLICABLE = -1.0
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallelism), else the
+    tensor itself. No communication."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t  # type: ignore[no-any-return]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor whose placement shards it: each rank holds a different part."""
+    placements = getattr(t, "placements", None)
+    return type(t).__name__ == "DTensor" and any(type(p).__name__ == "Shard" for p in placements or ())
+
+
 def float_tensors(output: Any, limit: int = 16) -> list[torch.Tensor]:
     """Floating tensors in a module output: tensor, tuple/list, dict/ModelOutput, dataclass, None."""
     found: list[torch.Tensor] = []
@@ -405,6 +418,30 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
                 vals = torch.stack([norm32(t) for t in group])
             out[_index(idx, device)] = vals.to(device=device, dtype=torch.float32)
     return out
+
+
+FINGERPRINT_VALUES = 16       # values summed into a tensor's fingerprint (replicas must agree on it)
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Per tensor, the sum of up to FINGERPRINT_VALUES evenly strided values (in float64, returned as
+    float32): cheap, and identical on replicas that hold identical tensors. One vector on the first
+    tensor's device."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    parts, lengths = [], []
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            n = flat.numel()
+            k = min(FINGERPRINT_VALUES, n)
+            stride = max(1, n // max(k, 1))
+            parts.append(flat[:stride * k:stride].to(device=device, dtype=torch.float64))
+            lengths.append(k)
+        seg = _segment_ids(tuple(lengths), device)
+        sums = torch.zeros(len(tensors), dtype=torch.float64, device=device).index_add_(0, seg, torch.cat(parts))
+    return sums.to(torch.float32)
 
 
 UPDATE_BLOCK = 64             # the update sample is UPDATE_SAMPLE // UPDATE_BLOCK contiguous blocks

@@ -46,6 +46,11 @@ def measurable(t: torch.Tensor) -> bool:
     return not (is_uninitialized(t) or t.device.type == "meta" or t.is_sparse or not t.is_floating_point())
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    from .measure import local as local_part
+    return local_part(t)
+
+
 ModelSignature = tuple[tuple[tuple[int, bool, bool], ...], tuple[int, ...]]
 
 
@@ -72,6 +77,7 @@ class ModelIndex:
     bypass_exempt: frozenset[int]              # torch.nn children their parent uses functionally
     signature: ModelSignature
     n_optimizers: int
+    wrappers: frozenset[int] = frozenset()     # id() of wrapper modules (DDP, FSDP units...): transparent
 
     @classmethod
     def empty(cls) -> ModelIndex:
@@ -154,10 +160,25 @@ class ModelIndex:
         return [t.param_id for t in self.structure.tensors
                 if t.tensor is not None and t.kind != TensorKind.BUFFER and measurable(t.tensor)]
 
+    def fingerprint_tensors(self) -> list[int]:
+        """Registered parameters and buffers that data parallelism keeps identical on every rank (not the
+        shards of a sharded model: every rank holds a different part of those)."""
+        if self.structure.sharded:
+            return []
+        return [t.param_id for t in self.structure.tensors
+                if t.registered and t.tensor is not None and measurable(t.tensor)]
+
     def tensor(self, tensor_id: int) -> torch.Tensor:
+        """The tensor's values on this rank (the local shard of a DTensor)."""
         t = self.tensors[tensor_id].tensor
         assert t is not None
-        return t
+        return local(t)
+
+    def grad(self, tensor_id: int) -> torch.Tensor | None:
+        """Its .grad on this rank (local shard), None when there is none or it is sparse."""
+        t = self.tensors[tensor_id].tensor
+        g = t.grad if t is not None else None
+        return None if g is None or g.is_sparse else local(g)
 
     # -- run-time discoveries ---------------------------------------------------------------------
     def with_runtime(self, node: ModuleNode) -> ModelIndex:
@@ -205,6 +226,7 @@ def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], i
         bypass_exempt=frozenset(_functional_children(s, modules)),
         signature=model_signature(model, optimizers),
         n_optimizers=len(optimizers),
+        wrappers=s.wrappers,
     )
 
 

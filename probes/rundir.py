@@ -241,3 +241,41 @@ def filesystem_type(path: Path) -> str | None:
         return best_type
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------------- the sampling interval
+class StoreIntervalChannel:
+    """Rank 0's sampling interval, shared through torch.distributed's key-value store (a store operation
+    on sampled steps only, never a collective). Failures are swallowed: a rank that cannot read the
+    announcement keeps its interval, which is still a power of two (its samples nest with the others')."""
+
+    def __init__(self, store: object, key: str) -> None:
+        self._store = store
+        self._key = key
+
+    def announce(self, from_step: int, interval: int) -> None:
+        try:
+            self._store.set(self._key, f"{from_step}:{interval}")  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+    def latest(self) -> tuple[int, int] | None:
+        try:
+            if not self._store.check([self._key]):  # type: ignore[attr-defined]
+                return None
+            first, interval = self._store.get(self._key).decode().split(":")  # type: ignore[attr-defined]
+            return int(first), int(interval)
+        except Exception:
+            return None
+
+
+def interval_channel(run_id: str, world_size: int) -> StoreIntervalChannel | None:
+    if world_size <= 1:
+        return None
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return StoreIntervalChannel(dist.distributed_c10d._get_default_store(), f"modscope/{run_id}/interval")
+    except Exception:
+        return None

@@ -1,48 +1,95 @@
-"""Which steps are sampled: a fixed interval (every=N) or an overhead budget.
+"""Which steps are sampled: a fixed interval (every=N) or an overhead budget. Pure logic, no torch.
 
-With a budget (the default, 1%), the first DENSE_START steps are sampled, then the interval is
-chosen from the measured cost: the median
-wall time of recent sampled steps minus that of unsampled ones, divided by the budget times
-the unsampled step time. Pure logic, no torch.
+The schedule is a function of the step number and one interval, so every rank of a job samples the same
+steps and ranks can be compared step by step:
+
+- ``every=N``: the multiples of N.
+- the budget (default 1%): steps 0, 1 and 2, the powers of two (4, 8, 16, ...: findings appear within the
+  first few samples while the cost of a run's start stays bounded), and the multiples of the interval.
+  The interval is the power of two at or above what the budget needs, so the budget is an upper bound:
+  it is the measured extra time of a sampled step (the median of recent sampled steps minus that of
+  unsampled ones) divided by the budget times the unsampled step time.
+
+In a distributed job rank 0 chooses the interval from its own timings and announces it, with the step
+from which it applies, through an :class:`IntervalChannel`; the other ranks follow. The announcement
+names a step after the followers' next sampled step, so every rank switches at the same step.
 """
+
 from __future__ import annotations
 
 import collections
 import math
 import statistics
+from typing import Protocol
 
-MAX_INTERVAL = 1000
-INITIAL_INTERVAL = 10
-DENSE_START = 8        # with a budget, the first steps are all sampled: findings appear at once and the
-                       # cost of a sampled step is measured before the interval is chosen
+MAX_INTERVAL = 1024
+INITIAL_INTERVAL = 16
+WARMUP_STEPS = 3               # steps 0..2 are always sampled under a budget
+
+
+class IntervalChannel(Protocol):
+    """How rank 0 tells the other ranks the sampling interval (and from which step it applies)."""
+
+    def announce(self, from_step: int, interval: int) -> None: ...
+    def latest(self) -> tuple[int, int] | None: ...
+
+
+def power_of_two_at_least(n: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1.0))))
 
 
 class SamplingPolicy:
-    def __init__(self, every: int | None, overhead: float | None) -> None:
+    def __init__(self, every: int | None, overhead: float | None, channel: IntervalChannel | None = None,
+                 leader: bool = True) -> None:
         self.every = every
         self.budget = overhead
         self.interval = every if every else INITIAL_INTERVAL
+        self._channel = channel
+        self._leader = leader
+        self._pending: tuple[int, int] | None = None   # (from step, interval) not in force yet
         self._sampled_ms: collections.deque[float] = collections.deque(maxlen=9)
         self._plain_ms: collections.deque[float] = collections.deque(maxlen=31)
         self._probe_ms: collections.deque[float] = collections.deque(maxlen=9)
-        self._next = 0
         self._n_sampled = 0
 
     def should_sample(self, step: int) -> bool:
-        return step >= self._next or (not self.every and step < DENSE_START)
+        if self._pending is not None and step >= self._pending[0]:
+            self.interval = self._pending[1]
+            self._pending = None
+        if self.every:
+            return step % self.every == 0
+        return step < WARMUP_STEPS or step & (step - 1) == 0 or step % self.interval == 0
 
     def observe(self, step: int, step_ms: float, probe_ms: float, sampled: bool) -> None:
-        """Record a finished step and schedule the next sampled one."""
-        if sampled:
-            self._n_sampled += 1
-            if self._n_sampled > 1:          # the first step carries one-off warm-up costs
-                self._sampled_ms.append(step_ms)
-                self._probe_ms.append(probe_ms)
-            if not self.every:
-                self.interval = self._budget_interval()
-            self._next = step + self.interval
-        else:
+        """Record a finished step and, after a sampled one, choose (or learn) the interval."""
+        if not sampled:
             self._plain_ms.append(step_ms)
+            return
+        self._n_sampled += 1
+        if self._n_sampled > 1:          # the first step carries one-off warm-up costs
+            self._sampled_ms.append(step_ms)
+            self._probe_ms.append(probe_ms)
+        if self.every:
+            return
+        if not self._leader:
+            announced = self._channel.latest() if self._channel is not None else None
+            if announced is not None and announced != self._pending and announced[1] != self.interval:
+                self._pending = announced if announced[0] > step else None
+                if announced[0] <= step:                 # late: follow at once
+                    self.interval = announced[1]
+            return
+        wanted = self._budget_interval()
+        current = self._pending[1] if self._pending is not None else self.interval
+        if wanted == current:
+            return
+        if self._channel is None:
+            self.interval, self._pending = wanted, None
+            return
+        # every follower samples again at step + interval (or earlier) and reads the announcement there
+        span = max(self.interval, wanted)
+        from_step = (step + self.interval) // span * span + span
+        self._pending = (from_step, wanted)
+        self._channel.announce(from_step, wanted)
 
     def extra_ms(self) -> float | None:
         """Measured cost of sampling one step (ms), or None before there is evidence."""
@@ -59,7 +106,7 @@ class SamplingPolicy:
             return INITIAL_INTERVAL
         base = max(statistics.median(self._plain_ms), 1e-3)
         need = extra / (self.budget * base) if self.budget else MAX_INTERVAL
-        return int(min(MAX_INTERVAL, max(1, math.ceil(need))))
+        return min(MAX_INTERVAL, power_of_two_at_least(need))
 
     def overhead(self) -> float | None:
         """Estimated average overhead as a fraction of plain step time."""

@@ -40,6 +40,55 @@ _SATURATING = {"Tanh": "tanh", "Hardtanh": "tanh", "Softsign": "tanh",
                "Sigmoid": "sigmoid", "Hardsigmoid": "sigmoid", "LogSigmoid": None}
 
 
+# Wrappers PyTorch puts around a module: transparent here, so that paths are the user's (no `module.`,
+# `_orig_mod.`, `_fsdp_wrapped_module.` or `_checkpoint_wrapped_module.`), as torch.distributed.checkpoint
+# names them (its state_dict._get_fqns strips the same).
+_WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_WRAPPER_TYPES = frozenset({"DistributedDataParallel", "DataParallel", "OptimizedModule",
+                            "FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper"})
+_FLAT_PARAM = "_flat_param"
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """DDP, DataParallel, FSDP, torch.compile's OptimizedModule, activation-checkpoint wrappers."""
+    return type(module).__name__ in _WRAPPER_TYPES and any(
+        isinstance(getattr(module, a, None), nn.Module) for a in ("module", *_WRAPPER_ATTRS))
+
+
+def user_class(cls: type) -> type:
+    """The user's class of a module: FSDP2's fully_shard() swaps a module's class for a subclass named
+    ``FSDP<Name>``; the class the user wrote is the base after FSDPModule."""
+    names = [c.__name__ for c in cls.__mro__]
+    if "FSDPModule" in names and cls.__name__.startswith("FSDP"):
+        for base in cls.__bases__:
+            if base.__name__ != "FSDPModule":
+                return base
+    return cls
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside any wrappers around it."""
+    while is_wrapper(model):
+        for attr in ("module", *_WRAPPER_ATTRS):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+    return model
+
+
+def clean_path(path: str, wrapper_paths: frozenset[str] = frozenset()) -> str:
+    """``path`` without the components wrappers add: the wrappers' own attribute names, and the child
+    of a wrapper at one of ``wrapper_paths`` (DDP's ``module``)."""
+    parts = path.split(".") if path else []
+    out: list[str] = []
+    for i, part in enumerate(parts):
+        if part in _WRAPPER_ATTRS or (part == "module" and ".".join(parts[:i]) in wrapper_paths):
+            continue
+        out.append(part)
+    return ".".join(out)
+
+
 def is_mode_sensitive(module: nn.Module) -> bool:
     if isinstance(module, nn.RNNBase):
         return bool(getattr(module, "dropout", 0.0))
@@ -147,6 +196,8 @@ class ModelStructure:
     stale: list[StaleTensor]
     walk_truncated: bool
     n_optimizers: int
+    wrappers: frozenset[int] = frozenset()       # id() of the wrapper modules inside the model
+    sharded: bool = False                        # FSDP or sharded DTensors: ranks hold different parts
 
 
 
@@ -188,11 +239,12 @@ class _Builder:
         self.tensor_by_id: dict[int, TensorNode] = {}
         self.walk_nodes = 0
         self.truncated = False
+        self.wrappers: set[int] = set()
 
     # -- registered -------------------------------------------------------------------------
     def add_module(self, module: nn.Module, path: str, parent: ModuleNode | None, name: str,
                    kind: ModuleKind) -> ModuleNode:
-        cls = type(module)
+        cls = user_class(type(module))
         node = ModuleNode(module_id=len(self.modules), path=path,
                           parent_id=parent.module_id if parent else None, name=name,
                           type=cls.__name__, type_module=cls.__module__, kind=kind,
@@ -217,10 +269,16 @@ class _Builder:
 
     def registered(self) -> None:
         path_to_node: dict[str, ModuleNode] = {}
-        for path, module in self.model.named_modules(remove_duplicate=False):
+        wrapper_paths: set[str] = set()
+        for raw, module in self.model.named_modules(remove_duplicate=False):
+            if is_wrapper(module):            # transparent: its wrapped module takes its place
+                self.wrappers.add(id(module))
+                wrapper_paths.add(raw)
+                continue
+            path = clean_path(raw, frozenset(wrapper_paths))
             known = self.module_by_id.get(id(module))
             if known is not None:            # the same module under a second name (aliasing)
-                if path != known.path:
+                if path != known.path and path not in known.aliases:
                     known.aliases.append(path)
                 path_to_node[path] = known
                 continue
@@ -228,18 +286,23 @@ class _Builder:
             parent = path_to_node.get(parent_path) if path else None
             node = self.add_module(module, path, parent, name if path else "", ModuleKind.REGISTERED)
             path_to_node[path] = node
-        for path, p in self.model.named_parameters(remove_duplicate=False):
-            self._registered_tensor(p, path, path_to_node, TensorKind.PARAMETER, True)
-        for path, b in self.model.named_buffers(remove_duplicate=False):
+        wrapped = frozenset(wrapper_paths)
+        for raw, p in self.model.named_parameters(remove_duplicate=False):
+            if raw.rpartition(".")[2] != _FLAT_PARAM:      # FSDP's flat buffer: its views are the parameters
+                self._registered_tensor(p, clean_path(raw, wrapped), path_to_node, TensorKind.PARAMETER, True)
+        for raw, b in self.model.named_buffers(remove_duplicate=False):
+            path = clean_path(raw, wrapped)
             mod_path, _, name = path.rpartition(".")
             owner = path_to_node.get(mod_path)
             persistent = owner is None or name not in getattr(owner.module, "_non_persistent_buffers_set", ())
             self._registered_tensor(b, path, path_to_node, TensorKind.BUFFER, persistent)
 
-    def _registered_tensor(self, t, path, path_to_node, kind, in_state_dict) -> None:
+    def _registered_tensor(self, t: torch.Tensor, path: str, path_to_node: dict[str, ModuleNode], kind: TensorKind,
+                           in_state_dict: bool) -> None:
         known = self.tensor_by_id.get(id(t))
         if known is not None:
-            known.aliases.append(path)
+            if path != known.path and path not in known.aliases:
+                known.aliases.append(path)
             return
         mod_path, _, name = path.rpartition(".")
         self.add_tensor(t, path, path_to_node.get(mod_path), name, kind, True, in_state_dict)
@@ -267,7 +330,7 @@ class _Builder:
             return
         self.walk_nodes += 1
         if isinstance(obj, nn.Module):
-            if id(obj) in self.module_by_id:
+            if id(obj) in self.module_by_id or id(obj) in self.wrappers:
                 return
             self._add_unregistered_module(obj, path, owner, seen)
             return
@@ -372,13 +435,17 @@ class _Builder:
 
 
 def build_structure(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> ModelStructure:
-    b = _Builder(model, optimizers)
+    """The structure of the user's module (wrappers around it or inside it are transparent)."""
+    b = _Builder(unwrap(model), optimizers)
     b.registered()
     b.unregistered()
     stale = b.optimizers_membership()
     b.counts()
-    return ModelStructure(modules=b.modules, tensors=b.tensors, stale=stale,
-                          walk_truncated=b.truncated, n_optimizers=len(optimizers))
+    sharded = any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()) or any(
+        type(t.tensor).__name__ == "DTensor" for t in b.tensors if t.tensor is not None) or any(
+        "FSDPModule" in (c.__name__ for c in type(m).__mro__) for m in model.modules())
+    return ModelStructure(modules=b.modules, tensors=b.tensors, stale=stale, walk_truncated=b.truncated,
+                          n_optimizers=len(optimizers), wrappers=frozenset(b.wrappers), sharded=sharded)
 
 
 def subtree_has_state_or_modes(module: nn.Module) -> bool:

@@ -33,14 +33,14 @@ from .findings import Finding
 from .guard import ProbeRuntime
 from .model_index import IdRegistry, ModelIndex, build_index, model_signature
 from .records import Op
-from .rundir import RunFiles
+from .rundir import RunFiles, interval_channel
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
 from .schema import RunStatus
 from .sentinels import RootSentinel
 from .session import StoreSession
 from .structural import structural_findings
-from .structure import ModuleNode
+from .structure import ModuleNode, unwrap
 
 # Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older
 # unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
@@ -81,12 +81,13 @@ class Watcher:
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
-        self._policy = SamplingPolicy(every, overhead)
+        self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0)
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._runtime = RuntimeModules(self._ids)
         self._activity = measure.UnitActivity(window)
-        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, _is_compiled(model))
+        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, _is_compiled(model),
+                                    replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
         self._stepped: set[int] = set()
         self._sample_index = 0
@@ -95,13 +96,14 @@ class Watcher:
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
         self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._opt_handles: list[RemovableHandle] = []
+        user_model = unwrap(model)
         self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
-                                   model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+                                   model_class=f"{type(user_model).__module__}.{type(user_model).__qualname__}",
                                    device=_model_device(model),
                                    sampling={"every": every, "overhead": overhead, "window": window})
         self._writer = self._store.writer
         self._index: ModelIndex = self._rebuild(model)
-        self._sentinel.attach(model, model)
+        self._sentinel.attach(model, user_model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(functools.partial(self._on_opt_pre, oi)))
             self._opt_handles.append(opt.register_step_post_hook(functools.partial(self._on_opt_post, oi)))

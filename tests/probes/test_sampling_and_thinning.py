@@ -24,23 +24,53 @@ def feed(policy, plain_ms, sampled_ms, probe_ms, steps):
 def test_budget_chooses_the_interval_from_measured_cost():
     p = SamplingPolicy(every=None, overhead=0.01)
     sampled = feed(p, plain_ms=100.0, sampled_ms=110.0, probe_ms=5.0, steps=400)
-    # a sampled step costs 10 ms more than a 100 ms step: 1% needs one sample every 10 steps
-    assert p.interval == 10
-    assert sampled[:8] == list(range(8))           # dense start
-    assert p.overhead() == pytest.approx(0.01)
-    gaps = {b - a for a, b in zip(sampled[12:], sampled[13:])}
-    assert gaps == {10}
+    # a sampled step costs 10 ms more than a 100 ms step: 1% needs one sample every 10 steps; the interval
+    # is the power of two at or above it (the budget is an upper bound)
+    assert p.interval == 16
+    assert sampled[:6] == [0, 1, 2, 4, 8, 16]      # the start: steps 0-2, then the powers of two
+    assert p.overhead() == pytest.approx(10.0 / (100.0 * 16))
+    assert set(sampled) == {s for s in range(400) if s < 3 or s & (s - 1) == 0 or s % 16 == 0}
 
 
 def test_budget_adapts_when_sampling_gets_expensive():
     p = SamplingPolicy(every=None, overhead=0.01)
     feed(p, 100.0, 150.0, 40.0, 300)
-    assert p.interval == 50
+    assert p.interval == 64                   # 50 needed
     p2 = SamplingPolicy(every=None, overhead=0.05)
     feed(p2, 100.0, 150.0, 40.0, 300)
-    assert p2.interval == 10                  # a bigger budget samples more often
+    assert p2.interval == 16                  # a bigger budget samples more often (10 needed)
 
 
+class DictChannel:
+    """What torch.distributed's key-value store does for the policy: one shared announcement."""
+
+    def __init__(self):
+        self.value = None
+
+    def announce(self, from_step, interval):
+        self.value = (from_step, interval)
+
+    def latest(self):
+        return self.value
+
+
+def test_ranks_sample_the_same_steps_whatever_their_own_timings():
+    channel = DictChannel()
+    leader = SamplingPolicy(every=None, overhead=0.01, channel=channel, leader=True)
+    follower = SamplingPolicy(every=None, overhead=0.01, channel=channel, leader=False)
+    sampled = {0: [], 1: []}
+    intervals = set()
+    for step in range(3000):
+        # rank 0 finds sampling expensive (30 ms), then cheap (1 ms) from step 1500; rank 1 always cheap
+        for rank, (policy, extra) in enumerate(((leader, 30.0 if step < 1500 else 1.0), (follower, 2.0))):
+            s = policy.should_sample(step)
+            if s:
+                sampled[rank].append(step)
+            policy.observe(step, 100.0 + (extra if s else 0.0), extra if s else 0.0, s)
+        intervals.add(leader.interval)
+    assert sampled[0] == sampled[1]
+    assert 32 in intervals and leader.interval == follower.interval == 1
+    assert len(sampled[0]) > 100
 def test_interval_is_capped_and_fixed_every_is_respected():
     p = SamplingPolicy(every=None, overhead=0.01)
     feed(p, 1.0, 1000.0, 999.0, 3000)
