@@ -12,12 +12,12 @@ from .findings import Finding, sort_findings
 from .rundir import agree_run_id
 from .structural import structural_findings
 from .structure import build_structure, normalize_optimizers
-from .watcher import Watcher
+from .watcher import Boundaries, Watcher
 
 
 def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
           every: int | None = None, overhead: float = 0.01, window: int = 16,
-          run_name: str | None = None) -> Watcher:
+          run_name: str | None = None, boundaries: str = "optimizer") -> Watcher:
     """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
 
     Args:
@@ -31,6 +31,8 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         overhead: overhead budget as a fraction of step time (default 0.01 = 1%).
         window: sampled steps in the window of the dead-unit/constant-output detectors.
         run_name: a name shown in the dashboard (default: the run directory's name).
+        boundaries: ``"optimizer"`` (default): steps end at the watched optimizers' ``step()``.
+            ``"external"``: a framework integration calls ``begin_optimizer_step()`` and ``end_step()``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
@@ -42,6 +44,8 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
+    if boundaries not in tuple(Boundaries):
+        raise ValueError(f"boundaries must be one of {[str(b) for b in Boundaries]}, got {boundaries!r}")
     if run_name is not None and not isinstance(run_name, str):
         raise TypeError(f"run_name must be a str or None, got {type(run_name).__qualname__}: {run_name!r:.80}")
     if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
@@ -59,7 +63,8 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
     return Watcher(model, optimizers, run_dir, run_id=run_id, every=every, overhead=None if every else float(overhead),
-                   window=window, rank=rank, world_size=world_size, run_name=run_name or run_dir.name)
+                   window=window, rank=rank, world_size=world_size, run_name=run_name or run_dir.name,
+                   boundaries=Boundaries(boundaries))
 
 
 def process_rank() -> tuple[int, int]:

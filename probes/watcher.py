@@ -36,7 +36,7 @@ from .records import Op
 from .rundir import RunFiles, interval_channel
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
-from .schema import RunStatus
+from .schema import RunStatus, StrEnum
 from .sentinels import RootSentinel
 from .session import StoreSession
 from .structural import structural_findings
@@ -63,12 +63,21 @@ class UnreadSample:
     started: int                          # the step counter when the copy started
 
 
+class Boundaries(StrEnum):
+    """Who ends a step: the watched optimizers' ``step()`` (a plain loop), or a framework integration that
+    calls :meth:`Watcher.begin_optimizer_step` and :meth:`Watcher.end_step` where its own machinery says
+    the gradients are final and the step is over (closures, accumulation, AMP skips)."""
+
+    OPTIMIZER = "optimizer"
+    EXTERNAL = "external"
+
+
 class Watcher:
     """Created by :func:`probes.watch`. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
                  run_id: str, every: int | None, overhead: float | None, window: int, rank: int,
-                 world_size: int, run_name: str) -> None:
+                 world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER) -> None:
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
         self.run_id = run_id
@@ -78,6 +87,7 @@ class Watcher:
         self.window = window
         self._model_ref = weakref.ref(model)
         self._optimizers = list(optimizers)
+        self._external = boundaries == Boundaries.EXTERNAL
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
@@ -126,10 +136,28 @@ class Watcher:
         if self._closed:
             return
         with self._probe.guard("step"):
-            if self._optimizers:
+            if self._optimizers and not self._external:
                 if loss is not None:
                     self._record_loss(max(self._probe.step - 1, 0), loss)
                 return
+            if loss is not None:
+                self._record_loss(self._probe.step, loss)
+            self._end_step()
+
+    def begin_optimizer_step(self, optimizer_index: int = 0) -> None:
+        """(Integrations, ``boundaries="external"``.) The gradients of watched optimizer ``optimizer_index``
+        are final for this step: after accumulation, unscaling and clipping."""
+        if self._closed or self._capture.record is None:
+            return
+        with self._probe.guard("optimizer-begin"):
+            self._capture.before_optimizer_step(optimizer_index, self._optimizers[optimizer_index])
+
+    def end_step(self, loss: Any = None) -> None:
+        """(Integrations, ``boundaries="external"``.) The training step is over (its optimizer steps done,
+        or skipped by a gradient scaler); ``loss`` is stored on it."""
+        if self._closed:
+            return
+        with self._probe.guard("step"):
             if loss is not None:
                 self._record_loss(self._probe.step, loss)
             self._end_step()
@@ -251,7 +279,7 @@ class Watcher:
 
     # ===================================================================== optimizer steps
     def _on_opt_pre(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
+        if self._closed or self._external:    # an integration says when the gradients are final
             return
         if opt_index in self._stepped:          # this optimizer steps again: a new step began
             with self._probe.guard("step-boundary"):
@@ -266,6 +294,8 @@ class Watcher:
             return
         with self._probe.guard("optimizer-post-hook"):
             self._capture.after_optimizer_step(opt_index)
+        if self._external:
+            return
         self._stepped.add(opt_index)
         if len(self._stepped) >= len(self._optimizers):
             with self._probe.guard("step-boundary"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 import torch.nn.utils.prune as prune
 
@@ -363,3 +364,38 @@ def test_deferred_host_copy_stores_what_the_immediate_copy_stores(tmp_path, monk
     assert mods and params and max(r[1] for r in mods) == 8
     assert (dmods, dparams, dlosses, dcodes) == (mods, params, losses, codes)
     assert ("dead-units", "act") in codes
+
+
+def test_external_boundaries_follow_the_integration_not_the_optimizer(run_dir):
+    """A framework that runs forward and backward inside optimizer.step(closure) (Lightning) and steps
+    once per several micro-batches: the integration says when gradients are final and when a step ends."""
+    model = zoo.XORClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, y = zoo.xor_data(64)
+    with probes.watch(model, opt, run_dir=run_dir, every=1, boundaries="external") as w:
+        for _ in range(4):
+            def closure():
+                opt.zero_grad()
+                for _ in range(2):                              # two micro-batches
+                    loss = F.cross_entropy(model(X), y) / 2
+                    loss.backward()
+                w.begin_optimizer_step(0)                      # gradients final: what Lightning's hook says
+                return loss
+            loss = opt.step(closure)
+            w.end_step(loss)
+        assert w.step_count == 4
+        found = {(f.code, f.path) for f in w.findings()}
+    assert ("not-updating", "encoder.blocks[0].weight") in found
+    # two micro-batches per step accumulate on purpose: only the never-zeroed plain-list blocks accumulate
+    assert {p for c, p in found if c == "grad-accumulating"} <= {f"encoder.blocks[{i}].{n}" for i in range(3)
+                                                                  for n in ("weight", "bias")}
+    con = sqlite3.connect(w.store_path)
+    assert con.execute("SELECT COUNT(*), SUM(sampled) FROM steps").fetchone() == (4, 4)
+    grads = con.execute("SELECT s.grad_norm FROM param_stats s JOIN params p USING (rank, param_id) "
+                        "WHERE p.path = 'stem.weight' ORDER BY s.step").fetchall()
+    assert len(grads) == 4 and all(g > 0 for (g,) in grads)      # measured after backward, not before
+
+
+def test_boundaries_must_be_known(run_dir):
+    with pytest.raises(ValueError, match="boundaries must be one of .* got 'closure'"):
+        probes.watch(zoo.MLP(), run_dir=run_dir, boundaries="closure")
