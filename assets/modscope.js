@@ -4,7 +4,8 @@
 //    "open") and data-mid (a module id); one delegated listener writes the click into the
 //    "ui-click" store, whose server callback updates the selection / expanded nodes / URL.
 //    (One pattern-matching callback input per row made large trees slow to render.)
-// 2. Opening a finding's "evidence" must not also open its module.
+// 2. Opening a finding's "evidence" (or its folded consequences) must not also open its module;
+//    a consequence card inside the folded list opens its own module.
 // Keyboard: Enter or Space on a focused clickable element acts like a click.
 document.addEventListener("keydown", function (e) {
   if ((e.key === "Enter" || e.key === " ") && e.target && e.target.getAttribute &&
@@ -16,9 +17,11 @@ document.addEventListener("keydown", function (e) {
 document.addEventListener("click", function (e) {
   var t = e.target;
   if (!t || !t.closest) { return; }
-  if (t.closest("details")) { return; }
   var el = t.closest("[data-action]");
   if (!el || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
+  // a <details> inside the clicked element (evidence, the consequences' toggle) only opens and closes
+  var d = t.closest("details");
+  if (t.closest("summary") || (d && el.contains(d))) { return; }
   window.dash_clientside.set_props("ui-click", {data: {
     action: el.getAttribute("data-action"),
     id: el.getAttribute("data-mid"),
@@ -82,19 +85,26 @@ document.addEventListener("click", function (e) {
       return window.dash_clientside.no_update;
     },
     // The selection a click makes (dashboard/pages/modules.py handle_click does the rest: the
-    // ancestors to expand, the page): {rank, module_id}; another rank clears it.
-    selectFromClick: function (click, rank, selected) {
+    // ancestors to expand, the page): {run, rank, module_id} of the view the tick shows; a tick
+    // that shows another run or rank (a switch, or a new run followed) clears it.
+    selectFromClick: function (click, tick, selected) {
       var ctx = window.dash_clientside.callback_context;
       var trig = ctx && ctx.triggered && ctx.triggered.length ? ctx.triggered[0].prop_id : "";
-      if (trig === "rank-select.value") { return null; }
+      var run = (tick && tick.run) || "";
+      var r = (tick && tick.rank) || 0;
+      if (trig === "tick.data") {
+        if (selected && (selected.run !== run || selected.rank !== r)) { return null; }
+        return window.dash_clientside.no_update;
+      }
       if (!click || (click.action !== "select" && click.action !== "open")) {
         return window.dash_clientside.no_update;
       }
       var mid = Number(click.id);
       if (!Number.isInteger(mid) || mid < 0) { return window.dash_clientside.no_update; }
-      var r = rank || 0;
-      if (selected && selected.module_id === mid && selected.rank === r) { return window.dash_clientside.no_update; }
-      return {rank: r, module_id: mid};
+      if (selected && selected.module_id === mid && selected.rank === r && selected.run === run) {
+        return window.dash_clientside.no_update;
+      }
+      return {run: run, rank: r, module_id: mid};
     },
     highlightSelected: function (selected) {
       var box = document.getElementById("tree");

@@ -5,7 +5,7 @@ renders as text, never as HTML."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -14,6 +14,7 @@ from dash import html
 
 from probes.schema import FindingCode, ModuleKind, Severity, code_label, display_path
 
+from .crossrank import format_ranks
 from .figures import fmt_count, fmt_num
 
 SEVERITY_ICONS = MappingProxyType({Severity.ERROR: "●", Severity.WARNING: "▲", Severity.INFO: "■"})
@@ -103,7 +104,7 @@ def evidence_block(evidence: Any) -> html.Details | None:
         return None
     text = json.dumps(evidence, indent=2, sort_keys=True, default=str) if not isinstance(evidence, str) \
         else evidence
-    return html.Details([html.Summary("evidence"), html.Pre(text, className="evidence")])
+    return html.Details([html.Summary("evidence"), html.Pre(text, className="evidence")], className="evidence-box")
 
 
 def table(headers: list[str], rows: list[list[Any]], cls: str = "") -> html.Table:
@@ -126,20 +127,59 @@ def message(text: str, cls: str = "muted") -> html.Div:
     return html.Div(text, className=f"message {cls}")
 
 
-def finding_card(f: Mapping[str, Any], **attrs: Any) -> html.Div:
-    """One finding: severity and code, path, steps seen, message, fix and evidence. ``attrs`` go
-    to the outer Div (e.g. click attributes); its class marks severity and resolved ones."""
+def seen_text(f: Mapping[str, Any]) -> str | None:
+    """How often and when a finding was seen: 'seen 12 times, steps 3–40', 'seen once, step 7'."""
+    first, last, count = f.get("first_step"), f.get("last_step"), f.get("count")
+    times = None if count is None else ("seen once" if int(count) == 1 else f"seen {int(count):,} times")
+    if first is None:
+        return times
+    span = f"step {first}" if last is None or last == first else f"steps {first}–{last}"
+    return f"{times}, {span}" if times else span
+
+
+def cause_text(f: Mapping[str, Any]) -> str | None:
+    """'caused by unregistered-module at encoder.blocks[0]' for a consequence."""
+    if not f.get("cause_code"):
+        return None
+    return f"caused by {f['cause_code']} at {display_path(str(f.get('cause_path') or ''))}"
+
+
+def consequences_text(n: int) -> str:
+    return f"{n} consequence{'' if n == 1 else 's'}"
+
+
+Attrs = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: Attrs | None = None,
+                 folded: bool = False, **attrs: Any) -> html.Div:
+    """One finding: severity and code, path, the ranks it occurs on (``show_ranks``), how often and
+    when it was seen, message, fix, evidence, and (a root cause) its consequences folded under it: "4
+    consequences", opened on demand. ``attrs`` (or ``attrs_of(f)``, also given each consequence) go to
+    the outer Div (e.g. click attributes); its class marks severity and resolved ones. A consequence
+    shown on its own (its cause is not listed) names its cause."""
+    own = dict(attrs_of(f)) if attrs_of is not None else {}
+    own.update(attrs)
     sev = severity_of(f["severity"])
     cls = f"finding sev-border-{sev.value}" + ("" if f.get("active", 1) else " inactive")
-    if "className" in attrs:
-        cls = f"{attrs.pop('className')} {cls}"
+    if "className" in own:
+        cls = f"{own.pop('className')} {cls}"
+    ranks = f.get("ranks") or []
+    consequences = list(f.get("consequences") or [])
+    cause = None if folded else cause_text(f)
     return html.Div([
         html.Div([severity_pill(sev, f["code"]),
                   html.Span(display_path(f["path"]), className="mono path"),
                   html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
-                  html.Span(f"steps {f.get('first_step')}–{f.get('last_step')}", className="steps")
-                  if f.get("first_step") is not None else None], className="finding-head"),
+                  html.Span(format_ranks(ranks), className="badge ranks", title="ranks it occurs on")
+                  if show_ranks and ranks else None,
+                  html.Span(seen_text(f), className="steps") if seen_text(f) else None], className="finding-head"),
         html.Div(f["message"], className="finding-message"),
+        html.Div(cause, className="finding-cause") if cause else None,
         html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
         evidence_block(f.get("evidence")),
-    ], className=cls, **attrs)
+        html.Details([html.Summary(consequences_text(len(consequences)), className="consequences-toggle"),
+                      html.Div([finding_card(c, show_ranks=show_ranks, attrs_of=attrs_of, folded=True)
+                                for c in consequences], className="consequences-list")],
+                     className="consequences") if consequences else None,
+    ], className=cls, **own)

@@ -1,39 +1,48 @@
-"""What one dashboard shows: the mode and the stores (``AppConfig``), built by ``dashboard.cli``."""
+"""What one dashboard shows: the mode and the runs (``AppConfig``), built by ``dashboard.cli``."""
 
 from __future__ import annotations
 
 from probes.schema import StrEnum
 
 from .data import Store
+from .run import RunDir
 
 
 class Mode(StrEnum):
-    LIVE = "live"          # follow a run while it is written (polling)
-    REVIEW = "review"      # a snapshot, read-only, no polling
+    LIVE = "live"          # follow a run directory while it is written (polling)
+    REVIEW = "review"      # a snapshot (or a finished run directory), read-only, no polling
     COMPARE = "compare"    # two runs or snapshots side by side
 
 
 class AppConfig:
     """What the app shows: ``mode`` (a :class:`Mode` or its value), the store (and, to compare,
-    the second one), how often live mode polls, the access token and the address served (for
-    dashboard.security), the title and, to compare, the names of the two sides. Bad values raise
-    at once, naming the value and what was expected."""
+    the second one) -- a :class:`~dashboard.data.Store` as the command line opens it, or a
+    :class:`~dashboard.run.RunDir` -- how often live mode polls, the access token and the address
+    served (for dashboard.security), the title and, to compare, the names of the two sides. Bad
+    values raise at once, naming the value and what was expected.
 
-    def __init__(self, mode: Mode | str, store: Store, store_b: Store | None = None, *, poll_ms: int = 1000,
-                 token: str | None = None, bind_host: str = "127.0.0.1", bind_port: int | None = None,
-                 title: str = "modscope", labels: tuple[str, str] = ("before", "after")) -> None:
+    ``source`` (and ``source_b``) is what the pages read: the run directory (every run in it, the
+    newest shown unless one is chosen) or the one file. ``store`` stays what was given."""
+
+    def __init__(self, mode: Mode | str, store: Store | RunDir, store_b: Store | RunDir | None = None, *,
+                 poll_ms: int = 1000, token: str | None = None, bind_host: str = "127.0.0.1",
+                 bind_port: int | None = None, title: str = "modscope",
+                 labels: tuple[str, str] = ("before", "after")) -> None:
         try:
             self.mode = Mode(mode)
         except ValueError:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(m.value for m in Mode)}") from None
-        if not isinstance(store, Store):
-            raise TypeError(f"store must be a dashboard.data.Store, got {store!r:.80}")
-        if self.mode is Mode.COMPARE and not isinstance(store_b, Store):
+        if not isinstance(store, (Store, RunDir)):
+            raise TypeError(f"store must be a dashboard.data.Store or a dashboard.run.RunDir, got {store!r:.80}")
+        if self.mode is Mode.COMPARE and not isinstance(store_b, (Store, RunDir)):
             raise TypeError(f"mode 'compare' needs a second store (store_b), got {store_b!r:.80}")
         if isinstance(poll_ms, bool) or not isinstance(poll_ms, int) or poll_ms < 1:
             raise ValueError(f"poll_ms must be a positive int (milliseconds), got {poll_ms!r}")
         self.store = store
         self.store_b = store_b
+        self.source = store if isinstance(store, RunDir) else RunDir.from_store(store)
+        self.source_b = None if store_b is None else (
+            store_b if isinstance(store_b, RunDir) else RunDir.from_store(store_b))
         self.poll_ms = poll_ms
         self.token = token
         self.bind_host = bind_host      # the address served (security.check_host's form): the Host check needs it
@@ -42,8 +51,8 @@ class AppConfig:
         self.labels = labels
 
     def __repr__(self) -> str:
-        return (f"AppConfig(mode={self.mode.value!r}, store={str(self.store.path)!r}, "
-                f"store_b={None if self.store_b is None else str(self.store_b.path)!r}, poll_ms={self.poll_ms})")
+        return (f"AppConfig(mode={self.mode.value!r}, source={str(self.source.where)!r}, "
+                f"source_b={None if self.source_b is None else str(self.source_b.where)!r}, poll_ms={self.poll_ms})")
 
     @property
     def live(self) -> bool:

@@ -1,9 +1,11 @@
 """Data access: every SQL statement of the dashboard lives in this module.
 
-A :class:`Store` reads one store file (one rank's, or a snapshot; a ``Run`` of several per-rank
-files will be built on top of it). Live stores (a run being written, SQLite in WAL mode) are
-opened ``file:...?mode=ro``; snapshots ``?immutable=1``. Every query is parameterised,
-row-limited (``LIMIT``) and time-limited (a progress handler aborts it after ``timeout_s``).
+A :class:`Store` reads one store file (one rank's, a version-1 run's, or a snapshot);
+:class:`dashboard.run.Run` reads the rank files of one run as one, on top of it. A store that a
+writer may still be writing (a followed run; a file next to a ``-wal``, a ``-journal`` or the
+writer's ``.lock``) is opened ``file:...?mode=ro``, whatever its journal mode; a snapshot that
+nothing writes ``?immutable=1``. Every query is parameterised, row-limited (``LIMIT``) and
+time-limited (a progress handler aborts it after ``timeout_s``).
 
 What the store looks like (DDL, versions, file names, tables, finding codes and severities, path
 grammar, snapshots, the writer's health sidecar) comes from :mod:`probes.schema`, the only thing
@@ -36,6 +38,7 @@ from typing import Any
 from probes.schema import (
     ADDED_COLUMNS,
     LEGACY_STORE_FILENAME,
+    LOCK_SUFFIX,
     MIN_READ_VERSION,
     SCHEMA_VERSION,
     SEVERITY_ORDER,
@@ -65,10 +68,13 @@ MAX_HEAT_COLUMNS = 240      # columns of the histogram heat map
 MAX_COMPARE_MODULES = 20000
 MAX_KEYS = 50000
 RECENT_STEPS = 32           # steps whose median duration sets the stall threshold
+MAX_TENSORS = 50000         # tensors compared across ranks at one step
+MAX_STEP_LIST = 5000        # sampled steps (or step times) listed per rank
 
 # A running process whose heartbeat (ranks.updated_at) is older than this is "stalled".
 STALL_MIN_S = 120.0
 STALL_STEP_FACTOR = 5.0     # ... or than this many median step times, when steps are slow
+STALL_BEHIND_MIN_S = 30.0   # a rank this far behind the other ranks' heartbeats is stalled (writers beat every 5 s)
 
 Row = dict[str, Any]
 
@@ -127,19 +133,51 @@ def resolve_store_path(run_dir: str | os.PathLike[str]) -> Path | None:
         try:
             if not entry.is_file():
                 continue
-            mtime = entry.stat().st_mtime
         except OSError:
             continue
-        wal = Path(entry.path + "-wal")
-        try:
-            mtime = max(mtime, wal.stat().st_mtime)
-        except OSError:
-            pass
-        runs.setdefault(name.run_id, []).append((name.rank, Path(entry.path), mtime))
+        runs.setdefault(name.run_id, []).append((name.rank, Path(entry.path), last_modified(entry.path)))
     if not runs:
         return None
     newest = max(runs, key=lambda run_id: (max(m for _, _, m in runs[run_id]), run_id))
     return min(runs[newest])[1]
+
+
+def writer_present(path: str | os.PathLike[str]) -> bool:
+    """Whether a writer may be writing the store at ``path``: its ``.lock`` (held by a live writer,
+    whatever the journal mode), a ``-wal`` or a ``-journal`` is next to it. Such a file is never read
+    as immutable: a run in rollback-journal mode (a multi-node job, a network filesystem) has no
+    ``-wal`` while it is written."""
+    base = str(path)
+    return any(os.path.exists(base + suffix) for suffix in (LOCK_SUFFIX, "-wal", "-journal"))
+
+
+def in_wal_mode(path: str | os.PathLike[str]) -> bool | None:
+    """Whether the SQLite file at ``path`` is in WAL mode (its header's format versions are 2), or
+    None when that cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or not head.startswith(SQLITE_HEADER):
+        return None
+    return head[18] == 2 and head[19] == 2
+
+
+def last_modified(path: str | os.PathLike[str]) -> float:
+    """When a writer last changed the store at ``path``: the newest modification time of the file and
+    of its ``-wal`` / ``-journal`` when they hold something (a reader opening a WAL-mode store may create
+    an empty ``-wal``: reading a run must not make it the newest). 0 when the file is missing."""
+    best = 0.0
+    for suffix in ("", "-wal", "-journal"):
+        try:
+            st = os.stat(str(path) + suffix)
+        except OSError:
+            continue
+        if suffix and st.st_size == 0:
+            continue
+        best = max(best, st.st_mtime)
+    return best
 
 
 def _sqlite_uri(path: Path, immutable: bool) -> str:
@@ -268,8 +306,12 @@ def process_alive(pid: int | None, hostname: str | None) -> bool | None:
     return True
 
 
-def liveness(beat: Heartbeat, *, now: float, alive: bool | None) -> Liveness:
-    """The state of a live store's writer from its heartbeat and (on this host) its process."""
+def liveness(beat: Heartbeat, *, now: float, alive: bool | None, behind_s: float | None = None) -> Liveness:
+    """The state of a live store's writer from its heartbeat and (on this host) its process.
+
+    ``behind_s``: how much older this writer's heartbeat is than the newest one of the other ranks
+    of its run. A rank silent for max(``STALL_BEHIND_MIN_S``, 5 median steps) while the others go on
+    is stalled at once (the 2-minute rule is for a run that is silent as a whole)."""
     if beat.status == RunStatus.CLOSED:
         return Liveness(RunState.CLOSED)
     if beat.status is None:
@@ -279,7 +321,37 @@ def liveness(beat: Heartbeat, *, now: float, alive: bool | None) -> Liveness:
     silent = None if beat.updated_at is None else max(0.0, now - beat.updated_at)
     if silent is not None and silent > beat.stall_after_s():
         return Liveness(RunState.STALLED, silent)
+    behind_limit = max(STALL_BEHIND_MIN_S, STALL_STEP_FACTOR * (beat.median_step_s or 0.0))
+    if silent is not None and behind_s is not None and behind_s > behind_limit:
+        return Liveness(RunState.STALLED, silent)
     return Liveness(RunState.RUNNING)
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds under a minute, else whole minutes (hours and days when longer): '40 s', '2 min',
+    '1 h 5 min', '3 d 4 h'."""
+    if seconds < 60:
+        return f"{int(seconds)} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+def status_text(life: Liveness) -> str:
+    """What the header (and the per-rank table) says about a writer: 'running', 'closed',
+    'stalled: no update for 3 min', 'ended without close (process gone)' ..."""
+    if life.state is RunState.STALLED:
+        return f"stalled: no update for {duration_text(life.silent_s or 0.0)}"
+    if life.state is RunState.ENDED:
+        return "ended without close (process gone)"
+    if life.state is RunState.UNKNOWN:
+        return "starting"
+    return str(life.state)
 
 
 @dataclass(frozen=True)
@@ -340,18 +412,21 @@ class Store:
     @classmethod
     def open_snapshot(cls, path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> Store:
         p = Path(path)
+        run_dir = None
         if p.is_dir():
             found = resolve_store_path(p)
             if found is None:
                 raise StoreError(f"{p}: no store in this directory")
-            p = found
-        if Path(str(p) + "-wal").exists():
-            # a store still in WAL mode (a run's own file, not a snapshot): immutable=1 would
-            # ignore what is in the -wal file, so read it like a live run
+            p, run_dir = found, p
+        if writer_present(p):
+            # a run's own file that a writer may still be writing (a -wal, a -journal or its .lock):
+            # immutable=1 would ignore the -wal and read half-written pages, so read it like a live run
             store = cls(p, live=True, timeout_s=timeout_s)
             store.validate()
-            return store
-        return cls(p, live=False, timeout_s=timeout_s)
+        else:
+            store = cls(p, live=False, timeout_s=timeout_s)
+        store.run_dir = run_dir          # a directory of runs (dashboard.run.RunDir reads all of it)
+        return store
 
     @classmethod
     def open_any(cls, target: str | os.PathLike[str], *, timeout_s: float = 5.0) -> Store:
@@ -361,8 +436,8 @@ class Store:
             return cls.open_run(p, timeout_s=timeout_s)
         if not p.exists():
             raise StoreError(f"{p}: no such file or directory")
-        # A store file: live if a WAL sidecar is present, else a snapshot.
-        if Path(str(p) + "-wal").exists():
+        # A store file: live while a writer may be at it (writer_present), else a snapshot.
+        if writer_present(p):
             return cls.open_run(p, timeout_s=timeout_s)
         return cls.open_snapshot(p, timeout_s=timeout_s)
 
@@ -377,7 +452,7 @@ class Store:
             # be opened read-only (SQLite needs to create the -shm file), but nothing writes it
             # any more, so it can be read as immutable.
             if self.live and ("unable to open" in str(exc) or "readonly" in str(exc)) and self.path.exists() \
-                    and not Path(str(self.path) + "-wal").exists():
+                    and not writer_present(self.path):
                 try:
                     conn = sqlite3.connect(_sqlite_uri(self.path, immutable=True), uri=True,
                                            check_same_thread=True, timeout=self.timeout_s)
@@ -463,6 +538,12 @@ class Store:
             else:
                 out.append(f"{alias}.{c} AS {c}" if alias else c)
         return ", ".join(out)
+
+    def _column(self, table: str, column: str) -> str:
+        """One column of ``table`` as an expression (its default where this store's version lacks it)."""
+        present = self._columns.get(table)
+        defaults = dict(ADDED_COLUMNS.get(table, ()))
+        return defaults[column] if present is not None and column in defaults and column not in present else column
 
     # -- the one query helper --------------------------------------------------------------
     def _query(self, sql: str, params: Sequence[Any] = (), *, limit: int | None = None) -> list[sqlite3.Row]:
@@ -893,6 +974,106 @@ class Store:
             out.append(d)
         return out
 
+    def modules_for_paths(self, rank: int, paths: Iterable[str]) -> dict[str, Row]:
+        """The module each finding path belongs to (the path itself or its longest module prefix), for
+        many paths at once: one query per 500 candidate paths."""
+        wanted = {p: module_path_candidates(p) for p in {str(x) for x in paths}}
+        candidates = sorted({c for cs in wanted.values() for c in cs})
+        found: dict[str, Row] = {}
+        for start in range(0, len(candidates), 500):
+            chunk = candidates[start:start + 500]
+            marks = ",".join("?" * len(chunk))
+            for m in self._modules_where(f"rank = ? AND path IN ({marks})", (rank, *chunk), limit=len(chunk) + 1):
+                found.setdefault(m["path"], m)
+        out = {}
+        for p, cs in wanted.items():
+            hit: Row | None = next((found[c] for c in cs if c in found), None)
+            if hit is not None:
+                out[p] = hit
+        return out
+
+    # -- across ranks (dashboard.run, dashboard.crossrank) ------------------------------------
+    def rank_summary(self, rank: int) -> Row:
+        """One rank's line of the Overview's per-rank table: the writer's row (host, pid, counters,
+        heartbeat) and what its steps say (last step, samples stored, median of the recent step times,
+        measured overhead)."""
+        rkd = self._rank_row(rank)
+        steps = self._one("SELECT COUNT(*) AS n, MAX(step) AS last, SUM(sampled) AS sampled, "
+                          "SUM(probe_ms) AS probe_ms, SUM(step_ms) AS step_ms FROM steps WHERE rank = ?", (rank,))
+        recent = [float(r["step_ms"]) for r in self._query(
+            "SELECT step_ms FROM steps WHERE rank = ? AND step_ms IS NOT NULL ORDER BY step DESC LIMIT ?",
+            (rank, RECENT_STEPS), limit=RECENT_STEPS)]
+        overhead = rkd.get("overhead")
+        if overhead is None and steps and steps["step_ms"]:
+            overhead = (steps["probe_ms"] or 0.0) / steps["step_ms"]
+        return {
+            "rank": rank,
+            "hostname": rkd.get("hostname"), "pid": rkd.get("pid"), "device": rkd.get("device"),
+            "world_size": rkd.get("world_size") or 1, "status": rkd.get("status"),
+            "step": steps["last"] if steps and steps["last"] is not None else rkd.get("step"),
+            "median_step_ms": _finite(statistics.median(recent)) if recent else None,
+            "overhead": _finite(overhead),
+            "samples_stored": _int(steps["sampled"]) if steps else 0,
+            "samples_dropped": _int(rkd.get("samples_dropped")),
+            "probe_errors": _int(rkd.get("probe_errors")),
+            "write_errors": _int(rkd.get("write_errors")),
+            "updated_at": rkd.get("updated_at"),
+        }
+
+    def findings_signature(self, rank: int) -> tuple[int, ...]:
+        """Changes whenever a finding of ``rank`` is added, resolved, seen again or changes severity
+        or cause (one index-free pass over that rank's findings, a few thousand rows at most)."""
+        row = self._one(f"SELECT COUNT(*) AS n, SUM(active) AS a, SUM({self._column('findings', 'count')}) "
+                        "AS c, SUM(COALESCE(last_step, 0)) AS l, SUM(LENGTH(severity) * active) AS s, "
+                        f"SUM(LENGTH(COALESCE({self._column('findings', 'cause_code')}, ''))) AS k "
+                        "FROM findings WHERE rank = ?", (rank,))
+        return tuple(_int(v) for v in (tuple(row) if row else (0,) * 6))
+
+    def sampled_steps(self, rank: int, limit: int = MAX_STEP_LIST) -> list[int]:
+        """The newest ``limit`` sampled steps of ``rank``, newest first."""
+        return [int(r["step"]) for r in self._query(
+            "SELECT step FROM steps WHERE rank = ? AND sampled = 1 ORDER BY step DESC LIMIT ?",
+            (rank, limit), limit=limit)]
+
+    def step_times(self, rank: int, limit: int = MAX_STEP_LIST) -> list[tuple[int, float]]:
+        """(step, step_ms) of the newest ``limit`` steps of ``rank`` that have a duration, newest first."""
+        return [(int(r["step"]), float(r["step_ms"])) for r in self._query(
+            "SELECT step, step_ms FROM steps WHERE rank = ? AND step_ms IS NOT NULL ORDER BY step DESC LIMIT ?",
+            (rank, limit), limit=limit)]
+
+    def tensor_values(self, rank: int, step: int, limit: int = MAX_TENSORS) -> dict[str, tuple[Any, Any]]:
+        """What replicas must agree on, for every tensor of ``rank`` with statistics at ``step``:
+        path -> (fingerprint, data_norm) (NULL fingerprints in a version-1 store)."""
+        rows = self._query(
+            f"SELECT p.path AS path, {self._select('param_stats', ('fingerprint', 'data_norm'), 's')} "
+            "FROM param_stats s JOIN params p ON p.rank = s.rank AND p.param_id = s.param_id "
+            "WHERE s.rank = ? AND s.step = ? LIMIT ?", (rank, step, limit), limit=limit)
+        return {str(r["path"]): (r["fingerprint"], r["data_norm"]) for r in rows}
+
+    def tensor_history(self, rank: int, paths: Iterable[str], since_step: int,
+                       limit: int = MAX_TENSORS) -> dict[str, list[tuple[int, Any, Any]]]:
+        """(step, fingerprint, data_norm) of the tensors at ``paths`` from ``since_step`` on, oldest
+        first (index seeks on (rank, param_id, step))."""
+        names = sorted({str(x) for x in paths})[:500]
+        if not names:
+            return {}
+        marks = ",".join("?" * len(names))
+        ids = {int(r["param_id"]): str(r["path"]) for r in self._query(
+            f"SELECT param_id, path FROM params WHERE rank = ? AND path IN ({marks}) LIMIT ?",
+            (rank, *names, len(names) * 4), limit=len(names) * 4)}
+        if not ids:
+            return {}
+        id_marks = ",".join("?" * len(ids))
+        out: dict[str, list[tuple[int, Any, Any]]] = {}
+        for r in self._query(
+                f"SELECT param_id, step, {self._select('param_stats', ('fingerprint', 'data_norm'))} FROM param_stats "
+                f"WHERE rank = ? AND param_id IN ({id_marks}) AND step >= ? ORDER BY step DESC LIMIT ?",
+                (rank, *ids, since_step, limit), limit=limit):
+            out.setdefault(ids[int(r["param_id"])], []).append((int(r["step"]), r["fingerprint"], r["data_norm"]))
+        for rows in out.values():
+            rows.reverse()
+        return out
+
     # -- whole-store views (compare, report) -------------------------------------------------
     def state_dict_keys(self, rank: int = 0, limit: int = MAX_KEYS) -> list[str]:
         """The keys a checkpoint (``model.state_dict()``) of this model would hold."""
@@ -928,11 +1109,19 @@ class Store:
         """A consistent single-file copy of this store (``probes.schema.snapshot``), as bytes."""
         if not self.ready():
             raise StoreNotReadyError(f"{self.where}: waiting for the first sample")
-        with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
-            try:
-                return snapshot([self.path], Path(d) / "snapshot.sqlite").read_bytes()
-            except (sqlite3.Error, OSError, ValueError) as exc:
-                raise StoreError(_describe_db_error(self.path, exc)) from None
+        return snapshot_bytes([self.path])
+
+
+def snapshot_bytes(paths: Sequence[Path]) -> bytes:
+    """One consistent file of the stores at ``paths`` (the rank files of one run), as bytes:
+    ``probes.schema.snapshot``, the one snapshot function (also behind ``w.snapshot(path)``)."""
+    if not paths:
+        raise StoreNotReadyError("nothing to snapshot yet: waiting for the first sample")
+    with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
+        try:
+            return snapshot(list(paths), Path(d) / "snapshot.sqlite").read_bytes()
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            raise StoreError(_describe_db_error(Path(paths[0]), exc)) from None
 
 
 # -- compare ---------------------------------------------------------------------------------
@@ -952,17 +1141,32 @@ def _finding_order(f: Mapping[str, Any]) -> tuple[int, str, str]:
     return severity_rank(f["severity"]), f["path"], f["code"]
 
 
-def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> Row:
+def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_MODULES, *,
+                   rank_b: int | None = None, findings_a: Sequence[Row] | None = None,
+                   findings_b: Sequence[Row] | None = None) -> Row:
     """The "before / after" table of two stores: summary, findings appeared/resolved,
     checkpoint keys added/removed, and per-module statistics then (a) and now (b).
-    Modules are matched by normalised path (``blocks[0]`` ~ ``blocks.0``)."""
-    ova, ovb = a.overview(rank), b.overview(rank)
+    Modules are matched by normalised path (``blocks[0]`` ~ ``blocks.0``). ``rank`` of ``a`` is
+    compared with ``rank_b`` (default: the same rank) of ``b``; ``findings_a``/``findings_b`` replace
+    each side's own active findings (a run's findings merged over its ranks: dashboard.run)."""
+    rb = rank if rank_b is None else rank_b
+    ova, ovb = a.overview(rank), b.overview(rb)
+    fa_list = list(findings_a) if findings_a is not None else a.findings(rank, active=True)
+    fb_list = list(findings_b) if findings_b is not None else b.findings(rb, active=True)
+
+    def severities(items: Sequence[Row]) -> dict[str, int]:
+        out = {str(s): 0 for s in Severity}
+        for f in items:
+            key = str(f["severity"])
+            out[key] = out.get(key, 0) + 1
+        return out
+    sev_a, sev_b = severities(fa_list), severities(fb_list)
 
     def summary_row(label: str, va: Any, vb: Any) -> Row:
         return {"metric": label, "a": va, "b": vb, "changed": va != vb}
 
     unregistered = (ModuleKind.UNREGISTERED, ModuleKind.RUNTIME)
-    keys_a, keys_b = set(a.state_dict_keys(rank)), set(b.state_dict_keys(rank))
+    keys_a, keys_b = set(a.state_dict_keys(rank)), set(b.state_dict_keys(rb))
     summary = [
         summary_row("model class", ova["model_class"], ovb["model_class"]),
         summary_row("registered modules", ova["modules"][ModuleKind.REGISTERED],
@@ -974,23 +1178,23 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
         summary_row("held by optimizer", ova["params"].get("in_optimizer", 0),
                     ovb["params"].get("in_optimizer", 0)),
         summary_row("checkpoint keys", len(keys_a), len(keys_b)),
-        summary_row("errors", ova["findings"][Severity.ERROR], ovb["findings"][Severity.ERROR]),
-        summary_row("warnings", ova["findings"][Severity.WARNING], ovb["findings"][Severity.WARNING]),
+        summary_row("errors", sev_a[Severity.ERROR], sev_b[Severity.ERROR]),
+        summary_row("warnings", sev_a[Severity.WARNING], sev_b[Severity.WARNING]),
         summary_row("last step", ova["step"], ovb["step"]),
-        summary_row("final loss", a.final_loss(rank), b.final_loss(rank)),
+        summary_row("final loss", a.final_loss(rank), b.final_loss(rb)),
     ]
 
-    fa = {(f["code"], normalize_path(f["path"])): f for f in a.findings(rank, active=True)}
-    fb = {(f["code"], normalize_path(f["path"])): f for f in b.findings(rank, active=True)}
+    fa = {(f["code"], normalize_path(f["path"])): f for f in fa_list}
+    fb = {(f["code"], normalize_path(f["path"])): f for f in fb_list}
     appeared = [fb[k] for k in fb if k not in fa]
     resolved = [fa[k] for k in fa if k not in fb]
     persisting = [fb[k] for k in fb if k in fa]
 
     mods_a = {normalize_path(m["path"]): m for m in a.all_modules(rank, limit)}
-    mods_b = {normalize_path(m["path"]): m for m in b.all_modules(rank, limit)}
-    stats_a, stats_b = a.latest_module_stats(rank, limit), b.latest_module_stats(rank, limit)
+    mods_b = {normalize_path(m["path"]): m for m in b.all_modules(rb, limit)}
+    stats_a, stats_b = a.latest_module_stats(rank, limit), b.latest_module_stats(rb, limit)
     codes_a = a.findings_for_modules(rank, [m["module_id"] for m in mods_a.values()])
-    codes_b = b.findings_for_modules(rank, [m["module_id"] for m in mods_b.values()])
+    codes_b = b.findings_for_modules(rb, [m["module_id"] for m in mods_b.values()])
 
     order = list(mods_b.keys()) + [k for k in mods_a if k not in mods_b]
     modules = []

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.schema import LEGACY_STORE_FILENAME, SEVERITY_ORDER, display_path, parse_store_filename
+from probes.schema import LEGACY_STORE_FILENAME, SEVERITY_ORDER, Severity, display_path, parse_store_filename
 
 from .data import Store, StoreError
 
@@ -146,7 +146,7 @@ def exit_status(findings: Iterable[dict[str, Any]], fail_on: str | None) -> int:
     """1 when a finding at ``fail_on`` or worse exists (``error`` < ``warning`` < ``info``), else 0."""
     if fail_on is None:
         return 0
-    limit = SEVERITY_ORDER[fail_on]         # type: ignore[index]  # a Severity is its str value
+    limit = SEVERITY_ORDER[Severity(fail_on)]
     return 1 if any(SEVERITY_ORDER.get(f["severity"], 9) <= limit for f in findings) else 0
 
 

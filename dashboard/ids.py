@@ -15,9 +15,10 @@ NAV_COUNT = "nav-findings-count"
 PAGE = "page"
 BANNER = "banner"
 INTERVAL = "poll-interval"
-TICK = "tick"                  # dashboard.poll.Tick.to_data(): replaced when the store changed
-SELECTED = "selected-module"   # {"rank", "module_id"}
-EXPANDED = "expanded-nodes"    # list of module ids
+TICK = "tick"                  # dashboard.poll.Tick.to_data(): replaced when the store (or the view) changed
+SELECTED = "selected-module"   # {"run", "rank", "module_id"}: the view it was made in, and the module
+EXPANDED = "expanded-nodes"    # {"view": [run, rank], "ids": [module ids]}
+RUN = "run-select"             # a run key, or dashboard.run.NEWEST (follow the newest run)
 RANK = "rank-select"
 RUN_STATUS = "run-status"
 
@@ -33,6 +34,7 @@ OV_LOSS = "ov-loss"
 OV_LOSS_STATE = "ov-loss-state"
 OV_TOP_FINDINGS = "ov-top-findings"
 OV_ERRORS = "ov-probe-errors"
+OV_RANKS = "ov-ranks"          # the per-rank table (a run of several ranks)
 
 # modules page (tree + detail)
 TREE = "tree"
@@ -47,6 +49,7 @@ DETAIL_FINDINGS = "detail-findings"
 DETAIL_ACT = "detail-activation"
 DETAIL_HEAT = "detail-heat"
 DETAIL_PARAMS = "detail-params"
+DETAIL_RANKS = "detail-ranks"  # local gradient norms per rank, side by side
 DETAIL_STATE = "detail-state"  # {"module_id", "last"} for incremental updates
 
 # findings page

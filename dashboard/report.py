@@ -1,5 +1,7 @@
 """The standalone HTML report: one self-contained file (CSS and plotly.js inlined, no CDN)
-with the overview, the module tree, the findings and the main charts.
+with the overview (and, for a run of several ranks, one line per rank), the module tree of one
+rank, the run's findings (merged over its ranks; root causes with their consequences folded under
+them, expandable) and the main charts.
 
 Every string from the store is passed through ``html.escape``."""
 
@@ -17,9 +19,10 @@ from plotly.offline import get_plotlyjs
 from probes.schema import ModuleKind, Severity, display_path
 
 from . import figures
-from .components import badge_specs, severity_of
+from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
 from .data import Store
 from .paths import assets_dir
+from .run import Run, RunDir, as_run_dir, format_ranks
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8
@@ -84,28 +87,57 @@ def _tree_html(store: Store, rank: int) -> str:
     return f'<ul class="report-tree">{body}</ul>{note}'
 
 
-def _findings_html(items: list[dict[str, Any]]) -> str:
+def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> str:
+    sev = severity_of(f["severity"]).value
+    ev = ""
+    if f.get("evidence"):
+        ev = ('<details><summary>evidence</summary><pre class="evidence">'
+              + esc(json.dumps(f["evidence"], indent=2, sort_keys=True, default=str)) + "</pre></details>")
+    fix = f'<div class="finding-fix"><b>Fix: </b>{esc(f["fix"])}</div>' if f.get("fix") else ""
+    ranks = (f'<span class="badge ranks">{esc(format_ranks(f["ranks"]))}</span> '
+             if show_ranks and f.get("ranks") else "")
+    seen = seen_text(f)
+    seen_html = f'<span class="steps">{esc(seen)}</span>' if seen else ""
+    cause = None if folded else cause_text(f)
+    cause_html = f'<div class="finding-cause">{esc(cause)}</div>' if cause else ""
+    consequences = f.get("consequences") or []
+    inner = ""
+    if consequences:
+        inner = ('<details class="consequences"><summary class="consequences-toggle">'
+                 f'{esc(consequences_text(len(consequences)))}</summary><div class="consequences-list">'
+                 + "".join(_finding_html(c, show_ranks, folded=True) for c in consequences) + "</div></details>")
+    return (f'<div class="finding sev-border-{sev}"><div class="finding-head">'
+            f'<span class="pill sev-{sev}">{esc(f["code"])}</span> '
+            f'<span class="mono path">{esc(display_path(f["path"]))}</span> {ranks}{seen_html}</div>'
+            f'<div class="finding-message">{esc(f["message"])}</div>{cause_html}{fix}{ev}{inner}</div>')
+
+
+def _findings_html(items: list[dict[str, Any]], show_ranks: bool = False) -> str:
+    """Root causes, each with its consequences folded under it."""
     if not items:
         return '<p class="message ok">No active findings.</p>'
-    out = []
-    for f in items:
-        sev = severity_of(f["severity"]).value
-        ev = ""
-        if f.get("evidence"):
-            ev = ('<details><summary>evidence</summary><pre class="evidence">'
-                  + esc(json.dumps(f["evidence"], indent=2, sort_keys=True, default=str)) + "</pre></details>")
-        fix = f'<div class="finding-fix"><b>Fix: </b>{esc(f["fix"])}</div>' if f.get("fix") else ""
-        out.append(
-            f'<div class="finding sev-border-{sev}"><div class="finding-head">'
-            f'<span class="pill sev-{sev}">{esc(f["code"])}</span> '
-            f'<span class="mono path">{esc(display_path(f["path"]))}</span></div>'
-            f'<div class="finding-message">{esc(f["message"])}</div>{fix}{ev}</div>')
-    return "".join(out)
+    return "".join(_finding_html(f, show_ranks) for f in items)
+
+
+def _ranks_html(rows: list[dict[str, Any]]) -> str:
+    if len(rows) < 2:
+        return ""
+    head = "".join(f"<th>{esc(h)}</th>" for h in ("rank", "step", "step time (ms, median)", "overhead",
+                                                  "samples stored", "samples dropped", "host", "status"))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{esc(v)}</td>" for v in (
+            f"rank {r['rank']}", figures.fmt_num(r["step"]), figures.fmt_num(r["median_step_ms"]),
+            "–" if r["overhead"] is None else f"{r['overhead'] * 100:.2f}%", figures.fmt_num(r["samples_stored"]),
+            figures.fmt_num(r["samples_dropped"]), r.get("hostname") or "–", r["status_text"])) + "</tr>"
+        for r in rows)
+    return (f'<section class="panel" id="ranks"><h2>Ranks ({len(rows)})</h2><table class="table">'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>")
 
 
 def _overview_html(ov: dict[str, Any]) -> str:
     rows = [
-        ("Run", ov["run_name"]), ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
+        ("Run", ov["run_name"]), ("Run id", ov.get("run_id")), ("Ranks", format_ranks(ov.get("ranks") or [0])),
+        ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
         ("Step", ov.get("step")), ("Samples stored", ov.get("samples_stored")),
         ("Samples dropped", ov.get("samples_dropped")), ("Probe errors", ov.get("probe_errors")),
         ("Probe overhead", None if ov.get("overhead") is None else f"{ov['overhead'] * 100:.2f}%"),
@@ -119,20 +151,30 @@ def _overview_html(ov: dict[str, Any]) -> str:
     ]
     trs = "".join(f"<tr><th>{esc(k)}</th><td>{esc(figures.fmt_num(v) if not isinstance(v, str) else v)}</td></tr>"
                   for k, v in rows)
-    sev = ov["findings"]
+    sev = ov.get("root_causes") or ov["findings"]
     pills = "".join(f'<span class="pill sev-{s}">{sev[s]} {s}{"s" if sev[s] != 1 else ""}</span> '
-                    for s in Severity)
+                    for s in Severity) + '<span class="muted">root causes</span>'
     return f'<div class="report-overview"><table class="table kv">{trs}</table><div class="sev-row">{pills}</div></div>'
 
 
-def build_report(store: Store, rank: int = 0) -> str:
-    """Return the whole report as one HTML string."""
-    ov = store.overview(rank)
-    items = store.findings(rank, active=True)
+def _as_run(target: Store | RunDir | Run) -> Run:
+    return target if isinstance(target, Run) else as_run_dir(target).run()
+
+
+def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
+    """Return the whole report of a run (the newest of a run directory) as one HTML string: its
+    findings merged over its ranks, the tree and charts of ``rank`` (default: its lowest)."""
+    run = _as_run(target)
+    rank = run.view_rank(rank)
+    store = run.at(rank)
+    ov = run.overview(rank)
+    merged = run.findings_merged(active=True, rank=rank)
+    roots = run.folded_findings(active=True, rank=rank)
+    several = len(run.ranks()) > 1
     charts = [_fig_html(figures.loss_figure(store.loss_series(rank)), "chart-loss")]
     chart_mods = []
     seen = set()
-    for f in items:
+    for f in merged:
         if f["module_id"] is not None and f["module_id"] not in seen:
             seen.add(f["module_id"])
             chart_mods.append(f["module_id"])
@@ -160,6 +202,8 @@ def build_report(store: Store, rank: int = 0) -> str:
             + "</div></section>")
     generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     title = f"modscope report: {ov['run_name']}"
+    tree_rank = f" (rank {rank})" if several else ""
+    ranks_section = _ranks_html(run.rank_rows()) if several else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -173,15 +217,17 @@ def build_report(store: Store, rank: int = 0) -> str:
 <main class="page">
 <h1>{esc(title)}</h1>
 <section class="panel" id="overview"><h2>Overview</h2>{_overview_html(ov)}</section>
+{ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>
-<section class="panel" id="findings"><h2>Findings ({len(items)})</h2>{_findings_html(items)}</section>
-<section class="panel" id="tree"><h2>Module tree</h2>{_tree_html(store, rank)}</section>
-<section class="panel" id="modules"><h2>Module charts</h2>{''.join(module_sections)}</section>
+<section class="panel" id="findings"><h2>Findings ({len(roots)} root causes, {len(merged)} in all)</h2>
+{_findings_html(roots, several)}</section>
+<section class="panel" id="tree"><h2>Module tree{tree_rank}</h2>{_tree_html(store, rank)}</section>
+<section class="panel" id="modules"><h2>Module charts{tree_rank}</h2>{''.join(module_sections)}</section>
 </main></body></html>
 """
 
 
-def write_report(store: Store, out: str | Path, rank: int = 0) -> Path:
+def write_report(target: Store | RunDir | Run, out: str | Path, rank: int | None = 0) -> Path:
     out = Path(out)
-    out.write_text(build_report(store, rank), encoding="utf-8")
+    out.write_text(build_report(target, rank), encoding="utf-8")
     return out

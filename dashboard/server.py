@@ -19,8 +19,20 @@ from .config import AppConfig, Mode
 from .data import StoreError
 from .pages import Page, page_at, pages_for
 from .paths import assets_dir
-from .poll import Tick, banner, callback, header_text, read_tick, reads_store
+from .poll import (
+    Tick,
+    banner,
+    callback,
+    header_text,
+    rank_options,
+    read_tick,
+    reads_store,
+    run_options,
+    shown_if,
+    view_of,
+)
 from .report import build_report
+from .run import NEWEST, fold_causes, root_counts
 
 __all__ = ["AppConfig", "Mode", "create_app"]
 
@@ -93,13 +105,14 @@ def create_app(config: AppConfig) -> Dash:
     return app
 
 
-def header_ranks(config: AppConfig, tick: Tick) -> list[int]:
-    if config.mode is Mode.COMPARE or not tick.ready:
-        return [0]
+def header_runs(config: AppConfig) -> list[dict[str, str]]:
+    """The run selector's options (every run of the directory, newest first)."""
+    if config.mode is Mode.COMPARE:
+        return []
     try:
-        return config.store.ranks()
+        return run_options(config.source.runs())
     except StoreError:
-        return [0]
+        return run_options([])
 
 
 def nav(pages: tuple[Page, ...]) -> html.Nav:
@@ -111,14 +124,15 @@ def nav(pages: tuple[Page, ...]) -> html.Nav:
 
 def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
     tick = read_tick(config)
-    ranks = header_ranks(config, tick)
+    ranks = list(tick.ranks) or [0]
+    runs = header_runs(config)
     if config.mode is Mode.COMPARE:
-        assert config.store_b is not None
+        assert config.source_b is not None
         subtitle = [html.Span("compare", className="mode mode-compare"),
-                    html.Span(f"{config.labels[0]}: {config.store.path}", className="run-path"),
-                    html.Span(f"{config.labels[1]}: {config.store_b.path}", className="run-path")]
+                    html.Span(f"{config.labels[0]}: {config.source.where}", className="run-path"),
+                    html.Span(f"{config.labels[1]}: {config.source_b.where}", className="run-path")]
     else:
-        where = str(config.store.where)
+        where = str(config.source.where)
         subtitle = [html.Span("live" if config.live else "snapshot",
                               className=f"mode mode-{'live' if config.live else 'review'}"),
                     html.Span(where, className="run-path", title=where),
@@ -137,9 +151,11 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
         nav(pages),
         html.Div(subtitle, className="subtitle"),
         html.Div([
-            dcc.Dropdown(id=ids.RANK, options=[{"label": f"rank {r}", "value": r} for r in ranks],
-                         value=ranks[0], clearable=False, searchable=False, className="rank-select",
-                         style={} if len(ranks) > 1 else {"display": "none"}),
+            dcc.Dropdown(id=ids.RUN, options=runs, value=NEWEST, clearable=False, searchable=False,
+                         className="run-select", style=shown_if(len(runs) > 2),
+                         optionHeight=44, maxHeight=400),
+            dcc.Dropdown(id=ids.RANK, options=rank_options(ranks), value=tick.rank, clearable=False,
+                         searchable=False, className="rank-select", style=shown_if(len(ranks) > 1)),
             *export,
         ], className="header-actions"),
     ], id=ids.HEADER, className="header")
@@ -152,20 +168,20 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
         dcc.Store(id=ids.UI_CLICK, data=None),
         header,
         html.Div(id=ids.BANNER, className="banner",
-                 children=[] if config.mode is Mode.COMPARE else banner(tick, config.store)),
+                 children=[] if config.mode is Mode.COMPARE else banner(tick, config.source)),
         html.Main(id=ids.PAGE, className="page"),
     ], className="app")
 
 
 def findings_count(counts: dict[str, int]) -> tuple[str, str]:
-    """The number of active findings next to "Findings", and its class (coloured by the worst)."""
+    """The number of active root causes next to "Findings", and its class (coloured by the worst)."""
     total = sum(counts.values())
     worst = next((s for s in Severity if counts.get(s)), None)
     return (str(total) if total else ""), f"nav-count sev-{worst.value}" if worst else "nav-count"
 
 
 def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> None:
-    store = config.store
+    source = config.source
 
     @callback(app, Output(ids.PAGE, "children"), Output(ids.nav_link(dash.ALL), "className"),
                   Input(ids.URL, "pathname"))
@@ -176,48 +192,62 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
     if config.mode is Mode.COMPARE:
         return
 
-    if config.live:
-        @callback(app, Output(ids.TICK, "data"), Output(ids.BANNER, "children"),
-                      Input(ids.INTERVAL, "n_intervals"), State(ids.TICK, "data"),
-                      State(ids.RANK, "value"))
-        def poll(_n: int | None, tick: object, rank: int | None) -> tuple[Any, Any]:
-            old, new = Tick.from_data(tick), read_tick(config, rank or 0)
-            if new.same_content(old):
-                raise PreventUpdate
-            new = dataclasses.replace(new, n=old.n + 1)
-            return new.to_data(), banner(new, store)
+    @callback(app, Output(ids.TICK, "data"), Output(ids.BANNER, "children"),
+                  Output(ids.RUN, "options"), Output(ids.RUN, "style"),
+                  Output(ids.RANK, "options"), Output(ids.RANK, "value"), Output(ids.RANK, "style"),
+                  Input(ids.INTERVAL, "n_intervals"), Input(ids.RUN, "value"), Input(ids.RANK, "value"),
+                  State(ids.TICK, "data"))
+    def poll(_n: int | None, run: str | None, rank: int | None, tick: object) -> tuple[Any, ...]:
+        """The poll (live mode, every interval) and the view (which run, which rank: both modes).
+        The run selector lists the directory's runs (shown when there are several); while it says
+        "newest", a new run in the directory is shown as soon as it appears."""
+        old, new = Tick.from_data(tick), read_tick(config, run, rank)
+        if new.same_content(old):
+            raise PreventUpdate
+        new = dataclasses.replace(new, n=old.n + 1)
+        runs_changed = (new.runs, new.status, new.note, new.run) != (old.runs, old.status, old.note, old.run)
+        options = header_runs(config) if runs_changed else no_update
+        ranks = list(new.ranks) or [0]
+        return (new.to_data(), banner(new, source),
+                options, shown_if(len(new.runs) > 1) if runs_changed else no_update,
+                rank_options(ranks) if new.ranks != old.ranks else no_update,
+                new.rank if rank != new.rank else no_update, shown_if(len(ranks) > 1))
 
     @callback(app, Output(ids.RUN_STATUS, "children"), Input(ids.TICK, "data"))
     def run_status(tick: object) -> str:
         return header_text(Tick.from_data(tick))
 
     @callback(app, Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
-                  Input(ids.TICK, "data"), Input(ids.RANK, "value"))
-    @reads_store(store, waiting=lambda _text: ("", "nav-count"))
-    def update_findings_count(tick: Tick, rank: int | None) -> tuple[str, str]:
-        return findings_count(store.overview(rank or 0)["findings"])
+                  Input(ids.TICK, "data"))
+    @reads_store(source, waiting=lambda _text: ("", "nav-count"))
+    def update_findings_count(tick: Tick) -> tuple[str, str]:
+        run, rank = view_of(config, tick)
+        return findings_count(root_counts(fold_causes(run.findings_merged(active=True, rank=rank))))
 
     def failed_download(what: str) -> Any:
         return lambda text: (no_update, html.Div(f"{what} failed: {text}", className="banner-error"))
 
     @callback(app, Output(ids.DOWNLOAD_SNAPSHOT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
-                  Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), prevent_initial_call=True)
-    @reads_store(store, failed=failed_download("Snapshot"), tick_first=False)
-    def download_snapshot(n: int | None) -> tuple[Any, Any]:
+                  Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), State(ids.TICK, "data"), prevent_initial_call=True)
+    @reads_store(source, failed=failed_download("Snapshot"), tick_first=False)
+    def download_snapshot(n: int | None, tick: object) -> tuple[Any, Any]:
+        """Every rank of the run shown, as one file (probes.schema.snapshot of its rank files)."""
         if not n:
             raise PreventUpdate
-        data = store.snapshot_bytes()
-        ov = store.overview()
+        run, rank = view_of(config, Tick.from_data(tick))
+        data = run.snapshot_bytes()
+        ov = run.at(rank).overview(rank)
         name = f"{_safe_filename(ov.get('run_name'))}-step{ov.get('step')}.sqlite"
         return dcc.send_bytes(data, filename=name), no_update
 
     @callback(app, Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
-                  Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.RANK, "value"), prevent_initial_call=True)
-    @reads_store(store, failed=failed_download("Report"), tick_first=False)
-    def download_report(n: int | None, rank: int | None) -> tuple[Any, Any]:
+                  Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.TICK, "data"), prevent_initial_call=True)
+    @reads_store(source, failed=failed_download("Report"), tick_first=False)
+    def download_report(n: int | None, tick: object) -> tuple[Any, Any]:
         if not n:
             raise PreventUpdate
-        text = build_report(store, rank or 0)
-        ov = store.overview(rank or 0)
+        run, rank = view_of(config, Tick.from_data(tick))
+        text = build_report(run, rank)
+        ov = run.at(rank).overview(rank)
         return (dcc.send_string(text, filename=f"{_safe_filename(ov.get('run_name'))}-report.html"),
                 no_update)

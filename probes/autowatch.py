@@ -22,6 +22,11 @@ How the model is found:
    with it (Muon + AdamW on one model: one watcher; a GAN's two models with their own optimizers:
    two watchers), by :func:`probes.watch` into the one run directory (a run each).
 
+4. When the adopting step runs inside a Lightning or Hugging Face ``Trainer`` (one is on the call
+   stack, stepping that optimizer), that Trainer gets modscope's callback instead
+   (:mod:`probes.integrations.zero_code`): the framework says when gradients are final and when a
+   step ends, as with the callback passed by hand, and the callback starts at the next batch.
+
 Watching therefore starts at an optimizer's third step: the first tells that it exists, the
 second which optimizers step together. An optimizer that stepped only once is watched at exit
 (its structure and structural findings are stored). Nothing raised here reaches the script:
@@ -109,6 +114,7 @@ class AutoWatch:
         self.every = every
         self.overhead = overhead
         self.watchers: list[Watcher] = []
+        self.frameworks: list[Any] = []      # framework callbacks added to a Trainer (integrations.zero_code)
         self._names: dict[int, str] = {}     # id(watcher) -> its model's class name
         self.discovery_s = 0.0               # time spent finding models at optimizer steps
         self.tracking_s = 0.0                # wall time the global module hooks were installed
@@ -155,9 +161,13 @@ class AutoWatch:
             if opt is not None and opt not in self._done:
                 self._guarded(functools.partial(self._adopt, opt))
         self._pending.clear()
+        for attached in self.frameworks:
+            if attached.watcher is not None:
+                self._names[id(attached.watcher)] = attached.model_name
+                self._guarded(functools.partial(self._summarise, attached.watcher))
         for w in self.watchers:
             self._guarded(functools.partial(self._summarise, w))
-        if not self.watchers:
+        if not self.watchers and not any(a.watcher is not None for a in self.frameworks):
             self._say("modscope: no model was watched (no torch.optim optimizer stepped with the "
                       "parameters of an nn.Module)")
 
@@ -215,6 +225,8 @@ class AutoWatch:
         """Find ``opt``'s model and watch it with the optimizers that step with it."""
         self._done.add(opt)
         self._pending.pop(id(opt), None)
+        if self._adopt_framework(opt):
+            return
         params = _optimizer_params(opt)
         model = self._find_model({id(p) for p in params})
         if model is None:
@@ -240,6 +252,23 @@ class AutoWatch:
         self.watchers.append(w)
         if process_rank()[0] == 0:
             self._say(f"modscope: watching {type(model).__name__} -> {self.run_dir}")
+
+    def _adopt_framework(self, opt: Optimizer) -> bool:
+        """Under a Lightning or Hugging Face Trainer that steps ``opt``: its callback watches (it prints the
+        ``watching`` line when it starts, at the next batch)."""
+        try:
+            from .integrations import zero_code
+            attached = zero_code.attach(opt, self.run_dir, every=self.every, overhead=self.overhead)
+        except Exception as exc:             # then a plain watch, as without a framework
+            self._note(f"modscope: framework callback not attached: {type(exc).__name__}: {exc}")
+            return False
+        if attached is None:
+            return False
+        for other in attached.optimizers:
+            self._done.add(other)
+            self._pending.pop(id(other), None)
+        self.frameworks.append(attached)
+        return True
 
     def _find_model(self, wanted: set[int]) -> nn.Module | None:
         if not wanted:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import measure
+from . import batch, measure
 from .guard import ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
@@ -66,7 +67,9 @@ class StepRecord:
     measurements: measure.StepMeasurements = dataclasses.field(default_factory=measure.StepMeasurements)
     calls: dict[int, int] = dataclasses.field(default_factory=dict)            # module id -> calls
     rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
-    out_grads: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # module id -> grad-norm slots
+    out_grads: dict[int, list[TensorSlot]] = dataclasses.field(default_factory=dict)  # module id -> grad norms
+    small_grads: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # (copy, modules)
+    retained: list[tuple[torch.Tensor, OutputKey]] = dataclasses.field(default_factory=list)  # small outputs
     order: int = 0
     stack: list[int] = dataclasses.field(default_factory=list)                  # modules in a call now
     root_training: bool | None = None
@@ -85,7 +88,9 @@ class StepRecord:
     local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
-    measured: dict[OutputKey, int] = dataclasses.field(default_factory=dict)   # output -> slot (wrappers share)
+    # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
+    # weak reference tells that tensor apart from a later one that reuses its address after it was freed
+    measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
     grad_targets: dict[OutputKey, list[int]] = dataclasses.field(default_factory=dict)
     live: bool = False           # the real hooks are attached (after the step's first forward)
 
@@ -120,9 +125,14 @@ class StepCapture:
     def close(self) -> None:
         self.closed = True
         self.detach()
+        self.probe.gc.resume()
         self.updates.clear()
         self._unit_dims.clear()
         self.index = None
+
+    def _output_grad_hook(self, rec: StepRecord, key: OutputKey) -> Callable[[torch.Tensor], None]:
+        hook = functools.partial(self.on_output_grad, rec, key)
+        return self._eager(hook) if self.compiled else hook
 
     def _eager(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Under torch.compile, run our hooks eagerly instead of letting dynamo trace them (which would
@@ -156,6 +166,7 @@ class StepCapture:
         if rec is None or index is None or self.closed or rec.live:
             return
         with self.probe.guard("attach"):
+            self.probe.gc.pause()              # until the end of the step's finishing work
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()
@@ -217,41 +228,62 @@ class StepCapture:
                 rec.modes[mid] = (training, rec.root_training)
             if n >= MAX_CALLS_MEASURED:
                 return
-            tensors = measure.float_tensors(output)
-            x = measure.primary(tensors)
-            if x is None:
-                return
+            others: list[torch.Tensor]
+            if type(output) is torch.Tensor and output.dtype in measure.FLOAT_TYPES and output.numel():
+                x, others = output, []             # the common case, without walking a structure
+            else:
+                tensors = measure.float_tensors(output)
+                x = measure.primary(tensors)
+                if x is None:
+                    return
+                others = [t for t in tensors if t is not x]
             rec.order += 1
+            numel = x.numel()
             # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
             # a child returned: measure it once and share the row
-            key: OutputKey = (id(x), x._version, x.data_ptr(), tuple(x.shape))
+            key: OutputKey = (id(x), x._version, x.data_ptr(), x.shape)
             seen = rec.measured.get(key)
-            if seen is not None and not tensors[1:]:
-                rec.rows.setdefault(mid, []).append(CallRecord(seen, rec.order, training, grad_on, x.numel()))
+            if seen is not None and not others and seen[1]() is x:
+                rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel))
                 if key in rec.grad_targets:
                     rec.grad_targets[key].append(mid)
                 return
-            others = [t for t in tensors if t is not x]
             udim = self._unit_dims.get((mid, x.dim()))
             if udim is None:
                 udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
-            chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
-            slot = rec.measurements.add_call(chunk, layout, mid)
-            rec.measured[key] = slot
-            rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, x.numel()))
+            if numel <= batch.SMALL_OUTPUT and not others:
+                # a copy now, reduced with the step's other small outputs at its end (one batch of kernels)
+                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid)
+            else:
+                chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
+                slot = rec.measurements.add_call(chunk, layout, mid)
+            rec.measured[key] = (slot, weakref.ref(x))
+            rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel))
             if grad_on and x.requires_grad:
                 rec.grad_targets[key] = [mid]
-                x.register_hook(self._eager(functools.partial(self.on_output_grad, rec, key)))
+                if numel <= batch.SMALL_OUTPUT and x.grad_fn is not None:
+                    # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
+                    # one); read, normed with the others and dropped at the end of the step
+                    x.retain_grad()
+                    rec.retained.append((x, key))
+                else:
+                    x.register_hook(self._output_grad_hook(rec, key))
 
     # ====================================================================== backward
     def on_output_grad(self, rec: StepRecord, key: OutputKey, grad: torch.Tensor) -> None:
         if rec is not self.record or self.closed:
             return
         with self.probe.guard("output-grad-hook"):
+            targets = [mid for mid in rec.grad_targets.get(key, ()) if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED]
+            if grad.numel() <= batch.SMALL_OUTPUT:
+                # normed with the others at the end of the step (a copy: autograd may reuse the buffer)
+                rec.small_grads.append((grad.detach().clone(), targets))
+                for mid in targets:
+                    rec.out_grads.setdefault(mid, []).append(TensorSlot(-1, len(rec.small_grads) - 1))
+                return
             slot = rec.measurements.add(measure.norm32(grad.detach()))
-            for mid in rec.grad_targets.get(key, ()):
-                if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED:
-                    rec.out_grads.setdefault(mid, []).append(slot)
+            for mid in targets:
+                rec.out_grads.setdefault(mid, []).append(TensorSlot(slot, 0))
 
     def on_grad(self, tensor_id: int, grad: torch.Tensor) -> None:
         rec, index = self.record, self.index
@@ -305,6 +337,23 @@ class StepCapture:
         tensors no optimizer holds. The record stays armed until :meth:`detach`."""
         rec, index = self.record, self.index
         assert rec is not None and index is not None
+        for x, key in rec.retained:
+            grad = x.grad
+            if grad is None:
+                continue
+            x.grad = None                       # what the user holds is left as it was
+            targets = [m for m in rec.grad_targets.get(key, ()) if len(rec.out_grads.get(m, ())) < MAX_CALLS_MEASURED]
+            rec.small_grads.append((grad, targets))
+            for mid in targets:
+                rec.out_grads.setdefault(mid, []).append(TensorSlot(-1, len(rec.small_grads) - 1))
+        rec.retained.clear()
+        if rec.small_grads:
+            norms = measure.norms([g for g, _ in rec.small_grads])
+            assert norms is not None
+            slot = rec.measurements.add(norms)
+            for mid, slots in rec.out_grads.items():
+                rec.out_grads[mid] = [TensorSlot(slot, s.pos) if s.slot == -1 else s for s in slots]
+            rec.small_grads.clear()
         remaining = [t for t in index.gradient_tensors() if t not in rec.grads]
         if remaining:
             self.measure_grads(rec, remaining)

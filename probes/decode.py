@@ -1,124 +1,177 @@
 """Decoding a sampled step: pure functions from the fetched host values of a :class:`~probes.capture.StepRecord`
-to per-module and per-tensor samples (what the detectors read) and to store rows. No hooks, no I/O."""
+to columns of per-module and per-tensor statistics (what the detectors read) and to store rows. No hooks, no
+I/O.
+
+Columns, not an object per module: a model of 15,000 modules would otherwise leave 15,000 objects behind
+every sampled step, and Python's collector would walk them all again and again.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 from . import measure
 from .capture import StepRecord, TensorSlot
-from .detectors import ModuleSample, TensorSample
-from .records import finite_or_none
 
 Values = Sequence[Sequence[float]]      # one host list per fetched vector, in slot order
 
-_FIELD = {name: i for i, name in enumerate(measure.CALL_FIELDS)}
 _K = len(measure.CALL_FIELDS)
+_MEAN, _STD, _ABSMAX, _ZERO, _DEAD, _SAT, _NONFINITE = (measure.CALL_FIELDS.index(f) for f in (
+    "mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite"))
 
 
-@dataclasses.dataclass(frozen=True)
-class ModuleStep:
-    """A module's statistics in one sampled step, and the modes of its first measured call."""
+@dataclasses.dataclass
+class ModuleColumns:
+    """One sampled step's statistics of every module measured in it, column by column (same order)."""
 
-    sample: ModuleSample
-    hist: list[int]
-    training: bool | None
-    grad_enabled: bool | None
+    step: int
+    module_ids: list[int] = dataclasses.field(default_factory=list)
+    calls: list[int] = dataclasses.field(default_factory=list)
+    numel: list[int] = dataclasses.field(default_factory=list)
+    mean: list[float | None] = dataclasses.field(default_factory=list)
+    std: list[float | None] = dataclasses.field(default_factory=list)
+    absmax: list[float | None] = dataclasses.field(default_factory=list)
+    zero_frac: list[float | None] = dataclasses.field(default_factory=list)
+    dead_frac: list[float | None] = dataclasses.field(default_factory=list)
+    sat_frac: list[float | None] = dataclasses.field(default_factory=list)
+    nonfinite: list[int] = dataclasses.field(default_factory=list)
+    out_grad_norm: list[float | None] = dataclasses.field(default_factory=list)
+    order: list[int] = dataclasses.field(default_factory=list)      # execution order of its first call
+    training: list[bool | None] = dataclasses.field(default_factory=list)
+    grad_enabled: list[bool | None] = dataclasses.field(default_factory=list)
+    hist: list[str] = dataclasses.field(default_factory=list)       # JSON list of HIST_BINS counts
+
+    def nonfinite_in_order(self) -> list[tuple[int, int]]:
+        """(module id, NaN/Inf count) of the modules that produced non-finite values, in execution order."""
+        bad = sorted((o, m, n) for o, m, n in zip(self.order, self.module_ids, self.nonfinite, strict=True) if n)
+        return [(m, n) for _, m, n in bad]
 
 
-def module_samples(step: int, rec: StepRecord, values: Values) -> dict[int, ModuleStep]:
-    """One sample per module measured in the step; several calls are aggregated (mean of means, max of
+@dataclasses.dataclass
+class TensorColumns:
+    """One sampled step's statistics of every tensor measured in it, column by column."""
+
+    step: int
+    tensor_ids: list[int] = dataclasses.field(default_factory=list)
+    grad_norm: list[float | None] = dataclasses.field(default_factory=list)
+    data_norm: list[float | None] = dataclasses.field(default_factory=list)
+    update_norm: list[float | None] = dataclasses.field(default_factory=list)
+    stale_grad_norm: list[float | None] = dataclasses.field(default_factory=list)   # .grad before this backward
+    arrived: list[bool] = dataclasses.field(default_factory=list)
+    lr: list[float | None] = dataclasses.field(default_factory=list)
+    fingerprint: list[float | None] = dataclasses.field(default_factory=list)
+    local_grad_norm: list[float | None] = dataclasses.field(default_factory=list)
+
+    def nonfinite_grads(self) -> list[int]:
+        return [t for t, g in zip(self.tensor_ids, self.grad_norm, strict=True)
+                if g is not None and not math.isfinite(g)]
+
+
+def _none_if_negative(v: float) -> float | None:
+    return None if v < 0 else v
+
+
+def module_columns(step: int, rec: StepRecord, values: Values) -> ModuleColumns:
+    """One entry per module measured in the step; several calls are aggregated (mean of means, max of
     abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest)."""
-    out: dict[int, ModuleStep] = {}
+    cols = ModuleColumns(step)
     for mid, calls in rec.rows.items():
         first = calls[0]
         if len(calls) == 1:                                  # the common case: one call
             row = values[first.slot]
-            agg, hist = list(row[:_K]), list(row[_K:])
+            mean, std, absmax, dead, sat, nonfinite = row[_MEAN], row[_STD], row[_ABSMAX], row[_DEAD], row[_SAT], \
+                row[_NONFINITE]
+            hist = row[_K:]
         else:
             vecs = [values[c.slot] for c in calls]
-            agg = [sum(v[i] for v in vecs) / len(vecs) for i in range(_K)]
-            agg[_FIELD["absmax"]] = max(v[_FIELD["absmax"]] for v in vecs)
-            agg[_FIELD["dead_frac"]] = vecs[-1][_FIELD["dead_frac"]]
-            agg[_FIELD["nonfinite"]] = sum(v[_FIELD["nonfinite"]] for v in vecs)
+            mean = sum(v[_MEAN] for v in vecs) / len(vecs)
+            std = sum(v[_STD] for v in vecs) / len(vecs)
+            absmax = max(v[_ABSMAX] for v in vecs)
+            dead, sat = vecs[-1][_DEAD], sum(v[_SAT] for v in vecs) / len(vecs)
+            nonfinite = sum(v[_NONFINITE] for v in vecs)
             hist = [sum(col) for col in zip(*(v[_K:] for v in vecs), strict=True)]
         total = sum(hist)
-        zero_frac = hist[measure.ZERO_BIN] / total if total else None
-        og = [values[s][0] for s in rec.out_grads.get(mid, [])]
-        dead, sat, nonfinite = agg[_FIELD["dead_frac"]], agg[_FIELD["sat_frac"]], agg[_FIELD["nonfinite"]]
-        sample = ModuleSample(
-            step=step, calls=rec.calls.get(mid, len(calls)), numel=first.numel,
-            mean=agg[_FIELD["mean"]], std=agg[_FIELD["std"]], absmax=agg[_FIELD["absmax"]], zero_frac=zero_frac,
-            dead_frac=None if dead < 0 else dead, sat_frac=None if sat < 0 else sat,
-            nonfinite=int(nonfinite) if not math.isnan(nonfinite) else first.numel,
-            out_grad_norm=(sum(og) / len(og)) if og else None, order=first.order)
-        out[mid] = ModuleStep(sample, [int(c) for c in hist], first.training, first.grad_enabled)
-    return out
+        grads = rec.out_grads.get(mid)
+        cols.module_ids.append(mid)
+        cols.calls.append(rec.calls.get(mid, len(calls)))
+        cols.numel.append(first.numel)
+        cols.mean.append(mean)
+        cols.std.append(std)
+        cols.absmax.append(absmax)
+        cols.zero_frac.append(hist[measure.ZERO_BIN] / total if total else None)
+        cols.dead_frac.append(_none_if_negative(dead))
+        cols.sat_frac.append(_none_if_negative(sat))
+        cols.nonfinite.append(first.numel if math.isnan(nonfinite) else int(nonfinite))
+        cols.out_grad_norm.append(sum(values[s.slot][s.pos] for s in grads) / len(grads) if grads else None)
+        cols.order.append(first.order)
+        cols.training.append(first.training)
+        cols.grad_enabled.append(first.grad_enabled)
+        cols.hist.append("[" + ",".join(str(int(c)) for c in hist) + "]")
+    return cols
 
 
-def tensor_samples(step: int, rec: StepRecord, values: Values,
-                   numel_of: Callable[[int], int]) -> dict[int, TensorSample]:
-    """One sample per tensor measured in the step. The update norm measured on the sampled values is
-    scaled to the whole tensor; when the sample saw no change but the data norm did, the change of the
-    norm is a lower bound of the update."""
+def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callable[[int], int]) -> TensorColumns:
+    """One entry per tensor measured in the step. The update norm measured on the sampled values is scaled to
+    the whole tensor; when the sample saw no change but the data norm did, the change of the norm is a lower
+    bound of the update."""
     def pick(slots: Mapping[int, TensorSlot], tid: int) -> float | None:
         sp = slots.get(tid)
         return values[sp.slot][sp.pos] if sp is not None else None
 
-    out: dict[int, TensorSample] = {}
-    for tid in set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints):
-        stale = values[rec.stale[tid]][0] if tid in rec.stale else None
-        data, update, post = pick(rec.data, tid), pick(rec.updates, tid), pick(rec.post, tid)
+    cols = TensorColumns(step)
+    for tid in sorted(set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints)):
+        data, update = pick(rec.data, tid), pick(rec.updates, tid)
         if update is not None:
             numel = numel_of(tid)
             k = measure.sample_size(numel)
             update *= math.sqrt(numel / k) if k else 0.0
+            post = pick(rec.post, tid)
             if update == 0.0 and post is not None and data is not None and post != data:
                 update = abs(post - data)
-        out[tid] = TensorSample(step=step, grad_norm=pick(rec.grads, tid), data_norm=data, update_norm=update,
-                                stale_grad_norm=stale, arrived=tid in rec.arrived, lr=rec.lrs.get(tid),
-                                fingerprint=pick(rec.fingerprints, tid),
-                                local_grad_norm=values[rec.local_grads[tid]][0] if tid in rec.local_grads else None)
-    return out
+        cols.tensor_ids.append(tid)
+        cols.grad_norm.append(pick(rec.grads, tid))
+        cols.data_norm.append(data)
+        cols.update_norm.append(update)
+        cols.stale_grad_norm.append(values[rec.stale[tid]][0] if tid in rec.stale else None)
+        cols.arrived.append(tid in rec.arrived)
+        cols.lr.append(rec.lrs.get(tid))
+        cols.fingerprint.append(pick(rec.fingerprints, tid))
+        cols.local_grad_norm.append(values[rec.local_grads[tid]][0] if tid in rec.local_grads else None)
+    return cols
 
 
-def module_stat_rows(rank: int, step: int, modules: Mapping[int, ModuleStep]) -> list[tuple[object, ...]]:
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None
+
+
+def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> list[tuple[object, ...]]:
     """Rows of ``module_stats`` (records.MSTAT_COLS), non-finite floats as NULL."""
-    rows = []
-    for mid, m in modules.items():
-        s = m.sample
-        rows.append(_finite_row((rank, mid, step, s.calls, s.numel, s.mean, s.std, s.absmax, s.zero_frac,
-                                 s.dead_frac, s.sat_frac, s.nonfinite, s.out_grad_norm,
-                                 None if m.training is None else int(m.training),
-                                 None if m.grad_enabled is None else int(m.grad_enabled),
-                                 json.dumps(m.hist))))
-    return rows
+    return [(rank, mid, step, calls, numel, _finite(mean), _finite(std), _finite(absmax), zero, dead, sat, nonfinite,
+             _finite(og), None if tr is None else int(tr), None if ge is None else int(ge), hist)
+            for mid, calls, numel, mean, std, absmax, zero, dead, sat, nonfinite, og, tr, ge, hist in zip(
+                c.module_ids, c.calls, c.numel, c.mean, c.std, c.absmax, c.zero_frac, c.dead_frac, c.sat_frac,
+                c.nonfinite, c.out_grad_norm, c.training, c.grad_enabled, c.hist, strict=True)]
 
 
-def param_stat_rows(rank: int, step: int, tensors: Mapping[int, TensorSample]) -> list[tuple[object, ...]]:
+def param_stat_rows(rank: int, step: int, c: TensorColumns) -> list[tuple[object, ...]]:
     """Rows of ``param_stats`` (records.PSTAT_COLS), non-finite floats as NULL."""
-    return [_finite_row((rank, tid, step, s.grad_norm, s.data_norm, s.update_norm,
-                         (s.update_norm / s.data_norm) if s.update_norm is not None and s.data_norm else None,
-                         s.local_grad_norm, s.fingerprint))
-            for tid, s in tensors.items()]
+    return [(rank, tid, step, _finite(g), _finite(d), _finite(u),
+             _finite(u / d) if u is not None and d else None, _finite(lg), _finite(fp))
+            for tid, g, d, u, lg, fp in zip(c.tensor_ids, c.grad_norm, c.data_norm, c.update_norm,
+                                            c.local_grad_norm, c.fingerprint, strict=True)]
 
 
-def moved_changes(tensors: Mapping[int, TensorSample], known: Mapping[int, int]) -> dict[int, int]:
-    """The tensors whose 'moved' flag changes with this step: 1 once an update changed it (for good),
-    0 while every observed update left it unchanged."""
+def moved_changes(c: TensorColumns, known: Mapping[int, int]) -> dict[int, int]:
+    """The tensors whose 'moved' flag changes with this step: 1 once an update changed it (for good), 0 while
+    every observed update left it unchanged."""
     changes: dict[int, int] = {}
-    for tid, s in tensors.items():
-        if s.update_norm is None or not s.arrived:
+    for tid, update, arrived in zip(c.tensor_ids, c.update_norm, c.arrived, strict=True):
+        if update is None or not arrived:
             continue
-        moved = 1 if s.update_norm > 0 else 0
+        moved = 1 if update > 0 else 0
         previous = known.get(tid)
         if previous not in (1, moved):
             changes[tid] = max(moved, previous or 0)
     return changes
-
-
-def _finite_row(row: tuple[object, ...]) -> tuple[object, ...]:
-    return tuple(finite_or_none(v) if isinstance(v, float) else v for v in row)

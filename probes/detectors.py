@@ -1,4 +1,4 @@
-"""Dynamic detectors: host-side rules over the statistics of sampled steps. Pure Python.
+"""Dynamic detectors: rules over the statistics of sampled steps, evaluated for every module at once.
 
 Definitions (also in README):
 - a unit is a channel (dim 1) of conv-like outputs, else the last dimension; it is *active* in a sample
@@ -9,17 +9,26 @@ Definitions (also in README):
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
   MIN_SAMPLES samples.
+- not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
+  (more than a numerically zero one) and its value did not change.
+- grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
+  already held one when the new gradient arrived.
+
+The windows are ring buffers indexed by module (and tensor) id, so a sampled step of a model with 15,000
+modules costs a few vector operations, and only the modules a rule flags cost Python.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Protocol
 
+import torch
+
 from . import findings
+from .decode import ModuleColumns, TensorColumns
 from .findings import Finding
 
 DEAD_LAYER = 0.90
@@ -27,39 +36,11 @@ DEAD_UNITS = 0.25
 SATURATED = 0.5
 MIN_SAMPLES = 3
 NOT_UPDATING_STEPS = 2
+ACCUMULATING_STEPS = 2
 # a gradient below this fraction of the tensor's norm is numerically zero (a bias before BatchNorm): no
 # optimizer step is expected to move the tensor by it
 NEGLIGIBLE_GRAD = 1e-6
-ACCUMULATING_STEPS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleSample:
-    step: int
-    calls: int
-    numel: int
-    mean: float | None
-    std: float | None
-    absmax: float | None
-    zero_frac: float | None
-    dead_frac: float | None
-    sat_frac: float | None
-    nonfinite: int
-    out_grad_norm: float | None
-    order: int                      # execution order of its first completed call in the step
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSample:
-    step: int
-    grad_norm: float | None
-    data_norm: float | None
-    update_norm: float | None
-    stale_grad_norm: float | None   # .grad found already non-zero when the first new gradient arrived
-    arrived: bool
-    lr: float | None = None         # its param group's learning rate at the optimizer step (read live)
-    fingerprint: float | None = None        # replicas: a sum of fixed strided values
-    local_grad_norm: float | None = None    # replicas: this rank's own gradient, before all-reduce
+_NAN = float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,92 +64,152 @@ class ModelView(Protocol):
     def tensor_group(self, tensor_id: int) -> tuple[int, int] | None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class StepEvidence:
-    """What one sampled step showed, for the detectors."""
+def _column(values: Sequence[float | int | bool | None]) -> torch.Tensor:
+    return torch.tensor([_NAN if v is None else float(v) for v in values], dtype=torch.float32)
 
-    step: int
-    modules: Mapping[int, ModuleSample]
-    tensors: Mapping[int, TensorSample]
-    optimizer_stepped: bool
+
+class _Window:
+    """Per-id ring buffers of the last ``size`` observations of some statistics."""
+
+    def __init__(self, size: int, fields: Sequence[str]) -> None:
+        self.size = size
+        self.fields = tuple(fields)
+        self.count = torch.zeros(0, dtype=torch.int64)
+        self.buf = {f: torch.full((size, 0), _NAN, dtype=torch.float32) for f in fields}
+
+    def _grow(self, n: int) -> None:
+        have = self.count.numel()
+        if n <= have:
+            return
+        n = max(n, 2 * have, 64)
+        self.count = torch.cat([self.count, torch.zeros(n - have, dtype=torch.int64)])
+        for f in self.fields:
+            self.buf[f] = torch.cat([self.buf[f], torch.full((self.size, n - have), _NAN, dtype=torch.float32)], 1)
+
+    def observe(self, ids: list[int], columns: dict[str, torch.Tensor]) -> None:
+        if not ids:
+            return
+        self._grow(max(ids) + 1)
+        idx = torch.tensor(ids, dtype=torch.int64)
+        pos = self.count[idx] % self.size
+        for f, col in columns.items():
+            self.buf[f][pos, idx] = col
+        self.count[idx] += 1
+
+    def last(self, field: str, back: int = 0) -> torch.Tensor:
+        """The observation ``back`` steps before the latest, per id (NaN where there is none)."""
+        pos = (self.count - 1 - back) % self.size
+        out = self.buf[field].gather(0, pos.unsqueeze(0)).squeeze(0)
+        return torch.where(self.count > back, out, torch.full_like(out, _NAN))
+
+    def valid(self) -> torch.Tensor:
+        """[size, ids] mask of the slots written so far."""
+        return torch.arange(self.size).unsqueeze(1) < self.count.clamp(max=self.size).unsqueeze(0)
 
 
 class DynamicDetectors:
     def __init__(self, window: int = 16) -> None:
         self.window = window
-        self.modules: dict[int, collections.deque[ModuleSample]] = {}
-        self.tensors: dict[int, collections.deque[TensorSample]] = {}
+        self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero"))
+        self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr"))
+        self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
-    def observe(self, module_samples: Mapping[int, ModuleSample], tensor_samples: Mapping[int, TensorSample]) -> None:
-        for mid, s in module_samples.items():
-            self.modules.setdefault(mid, collections.deque(maxlen=self.window)).append(s)
-        for tid, ts in tensor_samples.items():
-            self.tensors.setdefault(tid, collections.deque(maxlen=self.window)).append(ts)
+    def observe(self, m: ModuleColumns, t: TensorColumns) -> None:
+        self.modules.observe(m.module_ids, {
+            "std": _column(m.std), "mean": _column(m.mean), "dead": _column(m.dead_frac),
+            "sat": _column(m.sat_frac), "nonfinite": _column(m.nonfinite), "numel": _column(m.numel),
+            "zero": _column(m.zero_frac)})
+        upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
+        if upd:
+            self.updates.observe([t.tensor_ids[i] for i in upd], {
+                "step": _column([t.step] * len(upd)), "grad": _column([t.grad_norm[i] for i in upd]),
+                "data": _column([t.data_norm[i] for i in upd]), "update": _column([t.update_norm[i] for i in upd]),
+                "arrived": _column([t.arrived[i] for i in upd]), "lr": _column([t.lr[i] for i in upd])})
+        arr = [i for i, a in enumerate(t.arrived) if a]
+        if arr:
+            self.arrivals.observe([t.tensor_ids[i] for i in arr], {
+                "stale": _column([t.stale_grad_norm[i] for i in arr]), "grad": _column([t.grad_norm[i] for i in arr])})
 
-    def evaluate(self, view: ModelView, ev: StepEvidence) -> list[Finding]:
+    def evaluate(self, view: ModelView, step: int, optimizer_stepped: bool) -> list[Finding]:
         """The findings about states (dead units, saturation, tensors that do not update or accumulate
-        gradients) the window shows now. Events (modes, NaN/Inf, bypassed forwards) are the EventBook's."""
-        out: list[Finding] = []
-        out += self._activations(ev.step, view)
-        if ev.optimizer_stepped:
-            out += self._not_updating(ev.step, view)
-        out += self._accumulating(ev.step, view)
+        gradients) the windows show now. Events (modes, NaN/Inf, bypassed forwards) are the EventBook's."""
+        out = self._activations(step, view)
+        if optimizer_stepped:
+            out += self._not_updating(step, view)
+        out += self._accumulating(step, view)
         return out
 
     def _activations(self, step: int, view: ModelView) -> list[Finding]:
+        w = self.modules
+        if not w.count.numel():
+            return []
+        samples = w.count.clamp(max=w.size)
+        eligible = (samples >= MIN_SAMPLES) & ~(w.last("nonfinite") > 0)   # NaN/Inf: non-finite says it
+        valid = w.valid()
+        constant = eligible & (w.last("numel") > 1) & ((w.buf["std"] == 0) | ~valid).all(0)
+        dead = w.last("dead")
+        dead_layer = eligible & ~constant & (dead >= DEAD_LAYER)
+        dead_units = eligible & ~constant & (dead >= DEAD_UNITS) & (dead < DEAD_LAYER)
+        sats = torch.stack([w.last("sat", k) for k in range(MIN_SAMPLES)])
+        sat_mean = sats.mean(0)
+        saturated = eligible & ~torch.isnan(sats).any(0) & (sat_mean > SATURATED)
         out: list[Finding] = []
-        for mid, hist in self.modules.items():
-            if not view.has_module(mid) or len(hist) < MIN_SAMPLES:
+        flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
+        for mid in flagged:
+            if not view.has_module(mid):
                 continue
-            last = hist[-1]
-            if last.nonfinite:
-                continue            # NaN/Inf make dead/constant/saturated meaningless: non-finite says it
-            path, typ = view.module_path(mid), view.module_type(mid)
-            constant = last.numel > 1 and all(s.std is not None and s.std == 0.0 for s in hist)
-            dead = last.dead_frac
-            ev = {"dead_fraction": dead, "window_samples": len(hist), "zero_fraction": last.zero_frac,
-                  "std": last.std, "type": typ}
-            if constant:
-                out.append(findings.dead_constant(path, typ, last.mean, len(hist), ev, step))
-            elif dead is not None and dead >= DEAD_LAYER:
-                out.append(findings.dead_layer(path, typ, dead, len(hist), ev, step))
-            elif dead is not None and dead >= DEAD_UNITS:
-                out.append(findings.dead_units(path, typ, dead, len(hist), ev, step))
-            sats = [s.sat_frac for s in list(hist)[-MIN_SAMPLES:] if s.sat_frac is not None]
-            if len(sats) == MIN_SAMPLES:
-                avg = sum(sats) / len(sats)
-                if avg > SATURATED:
-                    out.append(findings.saturated(path, typ, avg, len(sats), step))
+            path, typ, n = view.module_path(mid), view.module_type(mid), int(samples[mid])
+            last_std = _opt(w.last("std")[mid])
+            ev = {"dead_fraction": _opt(dead[mid]), "window_samples": n, "zero_fraction": _opt(w.last("zero")[mid]),
+                  "std": last_std, "type": typ}
+            if constant[mid]:
+                out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step))
+            elif dead_layer[mid]:
+                out.append(findings.dead_layer(path, typ, float(dead[mid]), n, ev, step))
+            elif dead_units[mid]:
+                out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step))
+            if saturated[mid]:
+                out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step))
         return out
 
     def _not_updating(self, step: int, view: ModelView) -> list[Finding]:
-        out: list[Finding] = []
-        for tid, hist in self.tensors.items():
+        w = self.updates
+        if not w.count.numel():
+            return []
+        rule = w.count >= NOT_UPDATING_STEPS
+        for k in range(NOT_UPDATING_STEPS):
+            grad, data = w.last("grad", k), w.last("data", k)
+            rule &= (w.last("arrived", k) == 1) & torch.isfinite(grad) & (grad > 0) & (w.last("update", k) == 0)
+            rule &= grad > NEGLIGIBLE_GRAD * torch.nan_to_num(data, nan=0.0)
+        out = []
+        for tid in rule.nonzero().flatten().tolist():
             if not view.tensor_known(tid):
                 continue
-            recent = [s for s in hist if s.update_norm is not None][-NOT_UPDATING_STEPS:]
-            if len(recent) < NOT_UPDATING_STEPS:
-                continue
-            if all(s.arrived and s.grad_norm and math.isfinite(s.grad_norm)
-                   and s.grad_norm > NEGLIGIBLE_GRAD * (s.data_norm or 0.0) and s.update_norm == 0.0 for s in recent):
-                grad = recent[-1].grad_norm
-                assert grad is not None
-                # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
-                zero_lr = all(s.lr == 0.0 for s in recent)
-                out.append(findings.not_updating(view.tensor_path(tid), grad, [s.step for s in recent],
-                                                 view.tensor_in_optimizer(tid), step,
-                                                 view.tensor_group(tid) if zero_lr else None))
+            steps = [int(w.last("step", k)[tid]) for k in reversed(range(NOT_UPDATING_STEPS))]
+            # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
+            zero_lr = all(float(w.last("lr", k)[tid]) == 0.0 for k in range(NOT_UPDATING_STEPS))
+            out.append(findings.not_updating(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
+                                             view.tensor_in_optimizer(tid), step,
+                                             view.tensor_group(tid) if zero_lr else None))
         return out
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
-        out: list[Finding] = []
-        for tid, hist in self.tensors.items():
-            if not view.tensor_known(tid):
-                continue
-            recent = [s for s in hist if s.arrived][-ACCUMULATING_STEPS:]
-            if len(recent) < ACCUMULATING_STEPS:
-                continue
-            if all(s.stale_grad_norm is not None and s.stale_grad_norm > 0 for s in recent):
-                out.append(findings.grad_accumulating(view.tensor_path(tid), [s.stale_grad_norm for s in recent],
-                                                      [s.grad_norm for s in recent], step))
+        w = self.arrivals
+        if not w.count.numel():
+            return []
+        rule = w.count >= ACCUMULATING_STEPS
+        for k in range(ACCUMULATING_STEPS):
+            rule &= w.last("stale", k) > 0
+        out = []
+        for tid in rule.nonzero().flatten().tolist():
+            if view.tensor_known(tid):
+                ks = list(reversed(range(ACCUMULATING_STEPS)))
+                out.append(findings.grad_accumulating(view.tensor_path(tid),
+                                                      [_opt(w.last("stale", k)[tid]) for k in ks],
+                                                      [_opt(w.last("grad", k)[tid]) for k in ks], step))
         return out
+
+
+def _opt(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if math.isnan(v) else v

@@ -8,14 +8,13 @@ hands back store operations. No hooks, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from . import decode, records
 from .capture import StepRecord
 from .causes import assign_causes
-from .decode import ModuleStep, Values
-from .detectors import BypassCandidate, DynamicDetectors, StepEvidence, TensorSample
+from .decode import ModuleColumns, TensorColumns, Values
+from .detectors import BypassCandidate, DynamicDetectors
 from .events import EventBook, SampledEvents
 from .findings import Finding
 from .model_index import ModelIndex
@@ -30,8 +29,8 @@ class DecodedStep:
 
     step: int
     record: StepRecord
-    modules: dict[int, ModuleStep]
-    tensors: dict[int, TensorSample]
+    modules: ModuleColumns
+    tensors: TensorColumns
 
 
 class Evaluator:
@@ -49,10 +48,10 @@ class Evaluator:
 
     # ------------------------------------------------------------------------------ sampled steps
     def decode(self, step: int, rec: StepRecord, values: Values, index: ModelIndex) -> tuple[DecodedStep, list[Op]]:
-        """Samples of one step, fed to the detectors' window; and the store rows of its statistics."""
-        modules = decode.module_samples(step, rec, values)
-        tensors = decode.tensor_samples(step, rec, values, lambda tid: index.tensors[tid].numel)
-        self.detectors.observe({mid: m.sample for mid, m in modules.items()}, tensors)
+        """The step's statistics, fed to the detectors' windows; and their store rows."""
+        modules = decode.module_columns(step, rec, values)
+        tensors = decode.tensor_columns(step, rec, values, lambda tid: index.tensors[tid].numel)
+        self.detectors.observe(modules, tensors)
         ops = [records.module_stats_op(decode.module_stat_rows(self.rank, step, modules)),
                records.param_stats_op(decode.param_stat_rows(self.rank, step, tensors))]
         moved = decode.moved_changes(tensors, self._moved)
@@ -65,17 +64,13 @@ class Evaluator:
                  optimizers_watched: bool) -> list[Op]:
         """The findings after a sampled step."""
         step, rec = decoded.step, decoded.record
-        samples = {mid: m.sample for mid, m in decoded.modules.items()}
-        bad_modules = sorted((s.order, mid, s.nonfinite) for mid, s in samples.items() if s.nonfinite)
         self.events.observe_sample(SampledEvents(
             step=step, modes=rec.modes, called=frozenset(m for m, n in rec.calls.items() if n),
             arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
-            bad_modules=[(mid, n) for _, mid, n in bad_modules],
-            bad_grads=sorted(t for t, ts in decoded.tensors.items() if ts.grad_norm is not None
-                             and not math.isfinite(ts.grad_norm) and index.tensor_known(t)),
+            bad_modules=decoded.modules.nonfinite_in_order(),
+            bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
-        self.dynamic = self.detectors.evaluate(index, StepEvidence(step, samples, decoded.tensors,
-                                                                   rec.optimizer_stepped))
+        self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
         return self.publish(step, index, runtime, sampled=True)
 
     # ------------------------------------------------------------------------------ every step

@@ -10,14 +10,15 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
+from . import batch
 from .schema import HIST_BINS, HIST_EDGES, ZERO_BIN
 
 # layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
 CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
 CALL_WIDTH = len(CALL_FIELDS) + HIST_BINS
-HIST_SAMPLE = 1024            # the histogram is taken on at most this many evenly strided values
+HIST_SAMPLE = batch.HIST_SAMPLE    # the histogram is taken on at most this many evenly strided values
 UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step() for the update norm
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+FLOAT_TYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 NOT_APPLICABLE = -1.0
 
 
@@ -42,7 +43,7 @@ def float_tensors(output: Any, limit: int = 16) -> list[torch.Tensor]:
         if len(found) >= limit or depth > 3 or obj is None:
             return
         if isinstance(obj, torch.Tensor):
-            if obj.dtype in _FLOAT_TYPES and obj.layout == torch.strided and obj.device.type != "meta":
+            if obj.dtype in FLOAT_TYPES and obj.layout == torch.strided and obj.device.type != "meta":
                 found.append(obj)
         elif isinstance(obj, (list, tuple)):
             for item in obj:
@@ -82,23 +83,47 @@ class CallLayout(NamedTuple):
 
 
 class UnitActivity:
-    """Per-unit 'last sample in which the unit was non-zero', kept on the host per (module, units):
-    a unit is dead when it stayed exactly zero over the last ``window`` samples."""
+    """Per-unit 'last sample in which the unit was non-zero', kept on the host per (module, units) in one
+    tensor: a unit is dead when it stayed exactly zero over the last ``window`` samples."""
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self._last: dict[tuple[Any, int], torch.Tensor] = {}
+        self._offsets: dict[tuple[Any, int], int] = {}       # (key, units) -> first position in _last
+        self._last = torch.empty(0, dtype=torch.int64)
+        self._plans: dict[tuple[tuple[Any, int], ...], tuple[torch.Tensor, torch.Tensor, list[tuple[Any, int]]]] = {}
 
     def clear(self) -> None:
-        self._last.clear()
+        self._offsets.clear()
+        self._last = torch.empty(0, dtype=torch.int64)
+        self._plans.clear()
 
     def update(self, key: Any, active: torch.Tensor, sample_index: int) -> float:
         """Fold one sample's activity mask (bool, host) in; returns the dead fraction."""
-        last = self._last.get((key, active.numel()))
-        if last is None:
-            last = self._last[(key, active.numel())] = torch.full((active.numel(),), -1, dtype=torch.int64)
-        last.masked_fill_(active, sample_index)
-        return (last < max(0, sample_index - self.window + 1)).sum().item() / max(1, last.numel())
+        return self.update_many([(key, active.numel())], active, sample_index)[(key, active.numel())]
+
+    def update_many(self, keys: list[tuple[Any, int]], active: torch.Tensor,
+                    sample_index: int) -> dict[tuple[Any, int], float]:
+        """Fold in the activity masks of several calls at once: ``active`` is their masks back to back, in the
+        order of ``keys`` ((module, units) of each call; a module called twice folds both calls). Returns
+        the dead fraction of each key."""
+        plan = self._plans.get(tuple(keys))
+        if plan is None:
+            for k in keys:
+                if k not in self._offsets:
+                    self._offsets[k] = self._last.numel()
+                    self._last = torch.cat([self._last, torch.full((k[1],), -1, dtype=torch.int64)])
+            positions = torch.cat([torch.arange(self._offsets[k], self._offsets[k] + k[1]) for k in keys])
+            unique = list(dict.fromkeys(keys))
+            own = torch.cat([torch.full((k[1],), i, dtype=torch.int64) for i, k in enumerate(unique)])
+            span = torch.cat([torch.arange(self._offsets[k], self._offsets[k] + k[1]) for k in unique])
+            if len(self._plans) >= 4:
+                self._plans.clear()
+            plan = self._plans[tuple(keys)] = (positions, torch.stack([span, own]), unique)
+        positions, (span, own), unique = plan
+        self._last[positions[active]] = sample_index
+        dead = (self._last[span] < max(0, sample_index - self.window + 1)).to(torch.float32)
+        counts = torch.zeros(len(unique)).index_add_(0, own, dead).tolist()
+        return {k: c / max(1, k[1]) for k, c in zip(unique, counts, strict=True)}
 
 
 class StepMeasurements:
@@ -110,8 +135,9 @@ class StepMeasurements:
     small op several times over (cold caches); the batch after the step does not."""
 
     def __init__(self) -> None:
-        self._chunks: list[torch.Tensor] = []
+        self._chunks: list[torch.Tensor | None] = []       # None: a slot whose values come from a batch
         self._calls: dict[int, tuple[CallLayout, Any]] = {}
+        self._small: list[tuple[int, batch.SmallCall, Any]] = []     # reduced together at the end
 
     def add(self, vec: torch.Tensor) -> int:
         self._chunks.append(vec.detach())
@@ -124,32 +150,74 @@ class StepMeasurements:
         self._calls[slot] = (layout, key)
         return slot
 
+    def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None) -> int:
+        """A small output (batch.SMALL_OUTPUT values at most): kept now, reduced with the others at the end
+        of the step; its fetched value is a CALL_WIDTH row like :meth:`add_call`'s."""
+        self._chunks.append(None)
+        slot = len(self._chunks) - 1
+        self._small.append((slot, batch.keep(x, udim, sat_kind), key))
+        return slot
+
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
         """Host values of every chunk, in order (see :meth:`start_fetch`); waits for the copy."""
         return self.start_fetch().values(activity, sample_index)
 
-    def start_fetch(self) -> "PendingFetch":
+    def start_fetch(self) -> PendingFetch:
         """Start the step's host copy: one concatenation and one copy per device. On devices in
         DEFERRED_COPY_DEVICES the copy goes non-blocking into pinned memory and is read later
         (:meth:`PendingFetch.values`), so the training loop does not wait for the device."""
-        by_device: dict[torch.device, list[int]] = {}
+        # per device: plain vectors first (only they are turned into Python lists whole), then calls
+        plain: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        single: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, c in enumerate(self._chunks):
-            by_device.setdefault(c.device, []).append(i)
+            if c is not None:
+                (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
+        batches: dict[torch.device, list[tuple[int, batch.SmallCall, Any]]] = {}
+        for item in self._small:
+            batches.setdefault(item[1].values.device, []).append(item)
         groups = []
-        for idx in by_device.values():
-            # plain chunks first: only they are turned into Python lists whole
-            plain = [i for i in idx if i not in self._calls]
-            calls = [i for i in idx if i in self._calls]
-            parts = [self._chunks[i].reshape(-1) for i in plain + calls]
+        for device in dict.fromkeys([*plain, *single, *batches]):
+            parts: list[torch.Tensor] = []
+            plain_slots: list[tuple[int, int, int]] = []      # slot, start, length
+            call_slots: list[tuple[int, int, CallLayout, Any]] = []   # slot, start, layout, key
+            pos = 0
+            for i, c in plain.get(device, []):
+                parts.append(c.reshape(-1))
+                plain_slots.append((i, pos, parts[-1].numel()))
+                pos += parts[-1].numel()
+            for i, c in single.get(device, []):
+                parts.append(c.reshape(-1))
+                layout, key = self._calls[i]
+                call_slots.append((i, pos, layout, key))
+                pos += parts[-1].numel()
+            items = batches.get(device)
+            if items:
+                chunk, specs, sizes, known = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
+                parts.append(chunk)
+                for (slot, _, key), spec, size in zip(items, specs, sizes, strict=True):
+                    call_slots.append((slot, pos, CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
+                                                             known, spec.sat), key))
+                    pos += size
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
-            sizes = [t.numel() for t in parts]
             dev = torch.cat(parts)
             host, event = _start_copy(dev)
-            groups.append((plain, [(i, *self._calls[i]) for i in calls], sizes, dev, host, event))
+            groups.append(_FetchGroup(plain_slots, call_slots, dev, host, event))
         n = len(self._chunks)
         self._chunks.clear()
         self._calls.clear()
+        self._small.clear()
         return PendingFetch(n, groups)
+
+
+@dataclasses.dataclass
+class _FetchGroup:
+    """One device's part of a step's host copy."""
+
+    plain: list[tuple[int, int, int]]
+    calls: list[tuple[int, int, CallLayout, Any]]
+    dev: torch.Tensor
+    host: torch.Tensor
+    event: Any
 
 
 DEFERRED_COPY_DEVICES = {"cuda"}    # device types whose host copy is started non-blocking and read later
@@ -176,45 +244,40 @@ def _start_copy(dev: torch.Tensor) -> tuple[torch.Tensor, Any]:
 class PendingFetch:
     """One sampled step's host copy, started by :meth:`StepMeasurements.start_fetch`."""
 
-    def __init__(self, n_chunks: int, groups: list) -> None:
+    def __init__(self, n_chunks: int, groups: list[_FetchGroup]) -> None:
         self._n = n_chunks
         self._groups = groups
 
     @property
     def deferred(self) -> bool:
         """Whether reading the values may wait for a device (the copy was started non-blocking)."""
-        return any(dev.device.type in DEFERRED_COPY_DEVICES for _, _, _, dev, _, _ in self._groups)
+        return any(g.dev.device.type in DEFERRED_COPY_DEVICES for g in self._groups)
 
     def ready(self) -> bool:
         """The copy has landed: reading the values now costs no wait."""
-        return all(event is None or event.query() for *_, event in self._groups)
+        return all(g.event is None or g.event.query() for g in self._groups)
 
     def values(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
         """Host values of every chunk, in order; call chunks come back as CALL_WIDTH rows."""
         out: list[list[float]] = [[] for _ in range(self._n)]
-        for plain, calls, sizes, _dev, host, event in self._groups:
-            if event is not None:
-                event.synchronize()
-            pos = 0
-            plain_total = sum(sizes[:len(plain)])
-            flat = host[:plain_total].tolist() if plain else []
-            for i, n in zip(plain, sizes):
-                out[i] = flat[pos:pos + n]
-                pos += n
-            if calls:
-                starts = []
-                for n in sizes[len(plain):]:
-                    starts.append(pos)
-                    pos += n
-                rows = _call_rows(host, [(s, lay, key) for (_, lay, key), s in zip(calls, starts)], activity,
+        for g in self._groups:
+            if g.event is not None:
+                g.event.synchronize()
+            if g.plain:
+                end = g.plain[-1][1] + g.plain[-1][2]
+                flat = g.host[:end].tolist()
+                for i, start, n in g.plain:
+                    out[i] = flat[start:start + n]
+            if g.calls:
+                rows = _call_rows(g.host, [(start, lay, key) for _, start, lay, key in g.calls], activity,
                                   sample_index)
-                for (i, _, _), row in zip(calls, rows):
+                for (i, _, _, _), row in zip(g.calls, rows, strict=True):
                     out[i] = row
         self._groups = []
         return out
 
 
-MAX_UNITS = 1 << 16           # per-unit activity is tracked up to this many units per output
+MAX_UNITS = batch.MAX_UNITS    # per-unit activity is tracked up to this many units per output
 
 
 def _segments(starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +302,9 @@ class _CallPlan:
     psamp: torch.Tensor
     hist_base: torch.Tensor     # per sample value: its call's first bin in the flattened histograms
     heads: torch.Tensor
-    unit_ends: list[int]
+    tracked_calls: list[int]    # calls whose units extend an activity history
+    tracked_units: torch.Tensor | None   # their units' positions among all calls' units
+    tracked_keys: tuple[int, ...] | None
 
 
 _PLANS: dict[tuple, _CallPlan] = {}
@@ -250,18 +315,23 @@ def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    max_starts = [s + lay.head for s, lay in zip(starts, lays)]
-    min_starts = [m + lay.units if lay.paired else m for m, lay in zip(max_starts, lays)]
+    max_starts = [s + lay.head for s, lay in zip(starts, lays, strict=True)]
+    min_starts = [m + lay.units if lay.paired else m for m, lay in zip(max_starts, lays, strict=True)]
     units = [lay.units for lay in lays]
     pmax, seg = _segments(max_starts, units)
     pmin, _ = _segments(min_starts, units)
-    psamp, sseg = _segments([m + lay.units * (1 + lay.paired) for m, lay in zip(max_starts, lays)],
+    psamp, sseg = _segments([m + lay.units * (1 + lay.paired) for m, lay in zip(max_starts, lays, strict=True)],
                             [lay.sample for lay in lays])
-    heads = torch.tensor([s + j for s, lay in zip(starts, lays) for j in range(lay.head)], dtype=torch.int64)
+    heads = torch.tensor([s + j for s, lay in zip(starts, lays, strict=True) for j in range(lay.head)],
+                         dtype=torch.int64)
+    unit_ends = torch.cumsum(torch.tensor(units), 0).tolist()
+    tracked = [c for c, lay in enumerate(lays) if lay.track]
+    tracked_units = (torch.cat([torch.arange(unit_ends[c] - lays[c].units, unit_ends[c]) for c in tracked])
+                     if tracked else None)
     if len(_PLANS) >= 2:          # a few MB each on a large model; a run repeats one arrangement
         _PLANS.clear()
-    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg * HIST_BINS, heads,
-                                   torch.cumsum(torch.tensor(units), 0).tolist())
+    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg * HIST_BINS, heads, tracked, tracked_units,
+                                   tuple(tracked) if tracked else None)
     return plan
 
 
@@ -270,7 +340,10 @@ def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], act
     """CALL_WIDTH rows from raw call chunks in ``host`` (CPU): batched extremes and histograms,
     per-module unit activity."""
     n_calls = len(calls)
-    plan = _plan([s for s, _, _ in calls], [lay for _, lay, _ in calls])
+    # the plan is relative to the first call: plain vectors before it change size from step to step
+    base = calls[0][0]
+    host = host[base:]
+    plan = _plan([s - base for s, _, _ in calls], [lay for _, lay, _ in calls])
     umax, umin = host[plan.pmax], host[plan.pmin]
     amax = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umax, "amax", include_self=False)
     amin = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umin, "amin", include_self=False)
@@ -285,16 +358,10 @@ def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], act
     heads = host[plan.heads].tolist()
     # the dead fraction of a module is read after all of its calls in the step: fold them first
     dead: dict[tuple[Any, int], float] = {}
-    if activity is not None:
+    if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
-        per_key: dict[tuple[Any, int], torch.Tensor] = {}
-        for c, (_, lay, key) in enumerate(calls):
-            if lay.track:
-                a = active[plan.unit_ends[c] - lay.units:plan.unit_ends[c]]
-                k = (key, lay.units)
-                per_key[k] = a if k not in per_key else (per_key[k] | a)
-        for (key, n), a in per_key.items():
-            dead[(key, n)] = activity.update(key, a, sample_index)
+        keys = [(calls[c][2], calls[c][1].units) for c in plan.tracked_calls]
+        dead = activity.update_many(keys, active[plan.tracked_units], sample_index)
     rows, h = [], 0
     for c, (_, lay, key) in enumerate(calls):
         s, d = heads[h], heads[h + 1]
@@ -379,7 +446,12 @@ def norm32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
-    by_key: dict[tuple, list[int]] = {}
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    if all(t.dtype == dtype and t.device == device for t in tensors):     # the common case, without a dict
+        yield list(range(len(tensors))), list(tensors)
+        return
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         by_key.setdefault((t.device, t.dtype), []).append(i)
     for idx in by_key.values():
@@ -400,23 +472,43 @@ def _index(idx: list[int], device: torch.device) -> torch.Tensor:
     return t
 
 
+SMALL_NORM = 4096        # tensors of at most this many values are normed together (one reduction for all)
+
+
+def _group_norms(group: list[torch.Tensor]) -> torch.Tensor:
+    """Norms of tensors of one device and dtype, as float32 (accumulated in at least float32)."""
+    if len(group) > 8 and all(t.numel() <= SMALL_NORM for t in group):
+        # many small tensors: stacked by shape, one reduction per shape beats a kernel (or a foreach entry,
+        # or a flattening view) per tensor
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, t in enumerate(group):
+            by_shape.setdefault(t.shape, []).append(i)
+        out = torch.empty(len(group), dtype=torch.float32, device=group[0].device)
+        for shape, idx in by_shape.items():
+            stacked = torch.stack([group[i] for i in idx])
+            if stacked.dtype != torch.float32 and stacked.dtype != torch.float64:
+                stacked = stacked.float()
+            dims = tuple(range(1, len(shape) + 1))
+            sq = stacked.square().sum(dim=dims) if dims else stacked.square()
+            out[_index(idx, out.device)] = sq.sqrt_().to(torch.float32)
+        return out
+    if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
+        return torch.stack(torch._foreach_norm(group))
+    return torch.stack([norm32(t) for t in group])
+
+
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """L2 norms of many tensors as one float32 vector on the first tensor's device."""
     if not tensors:
         return None
     device = tensors[0].device
     groups = list(_groups(tensors))
-    if len(groups) == 1 and groups[0][1][0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
-        with torch.no_grad():
-            return torch.stack(torch._foreach_norm(groups[0][1]))
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     with torch.no_grad():
+        if len(groups) == 1:
+            return _group_norms(groups[0][1])
+        out = torch.empty(len(tensors), dtype=torch.float32, device=device)
         for idx, group in groups:
-            if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
-                vals = torch.stack(torch._foreach_norm(group))
-            else:
-                vals = torch.stack([norm32(t) for t in group])
-            out[_index(idx, device)] = vals.to(device=device, dtype=torch.float32)
+            out[_index(idx, device)] = _group_norms(group).to(device)
     return out
 
 
@@ -538,6 +630,7 @@ _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 def release_caches() -> None:
     """Drop the index tensors cached across steps (a closing watcher calls it: a long notebook session
     watching many models must not keep them, some of which live on an accelerator)."""
+    batch.release_caches()
     _PLANS.clear()
     _INDEX.clear()
     _SEGMENTS.clear()

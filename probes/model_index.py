@@ -8,6 +8,7 @@ run (a head replaced mid-run keeps its module id), plus the modules discovered w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -47,8 +48,8 @@ def measurable(t: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    from .measure import local as local_part
-    return local_part(t)
+    """This rank's part of a tensor (the local shard of a DTensor)."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined,no-any-return]
 
 
 ModelSignature = tuple[tuple[tuple[int, bool, bool], ...], tuple[int, ...]]
@@ -139,26 +140,48 @@ class ModelIndex:
         return [n.module for n in self.structure.modules
                 if n.module is not None and (n.parent_id is None or n.parent_id == self.root_id)]
 
-    def grad_hook_targets(self) -> list[TensorNode]:
+    # These lists are computed once per index: the index is rebuilt when a parameter is replaced, frozen,
+    # unfrozen or materialised (model_signature, checked after every sampled step).
+    @functools.cached_property
+    def _measurable(self) -> tuple[TensorNode, ...]:
+        return tuple(t for t in self.structure.tensors if t.tensor is not None and measurable(t.tensor))
+
+    @functools.cached_property
+    def _grad_hook_targets(self) -> tuple[TensorNode, ...]:
+        return tuple(t for t in self._measurable if t.kind != TensorKind.BUFFER and t.tensor is not None
+                     and t.tensor.requires_grad and t.tensor.grad_fn is None)
+
+    def grad_hook_targets(self) -> tuple[TensorNode, ...]:
         """Leaf tensors that receive gradients: each gets a gradient hook on a sampled step."""
-        return [t for t in self.structure.tensors
-                if t.tensor is not None and t.kind != TensorKind.BUFFER and t.tensor.requires_grad
-                and t.tensor.grad_fn is None and measurable(t.tensor)]
+        return self._grad_hook_targets
+
+    @functools.cached_property
+    def _by_optimizer(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for t in self._measurable:
+            if t.opt_index is not None:
+                out.setdefault(t.opt_index, []).append(t.param_id)
+        return out
 
     def optimizer_tensors(self, opt_index: int) -> list[int]:
-        return [t.param_id for t in self.structure.tensors
-                if t.opt_index == opt_index and t.tensor is not None and measurable(t.tensor)]
+        return self._by_optimizer.get(opt_index, [])
+
+    @functools.cached_property
+    def _orphans(self) -> list[int]:
+        return [t.param_id for t in self._measurable if t.opt_index is None and t.kind != TensorKind.BUFFER
+                and t.tensor is not None and t.tensor.requires_grad]
 
     def orphan_tensors(self) -> list[int]:
         """Trainable tensors no watched optimizer holds: their change across a step proves (non-)updates."""
-        return [t.param_id for t in self.structure.tensors
-                if t.opt_index is None and t.kind != TensorKind.BUFFER and t.tensor is not None
-                and t.tensor.requires_grad and measurable(t.tensor)]
+        return self._orphans
+
+    @functools.cached_property
+    def _gradient_tensors(self) -> list[int]:
+        return [t.param_id for t in self._measurable if t.kind != TensorKind.BUFFER]
 
     def gradient_tensors(self) -> list[int]:
         """Every tensor whose gradient is measured at the end of a step (no buffers)."""
-        return [t.param_id for t in self.structure.tensors
-                if t.tensor is not None and t.kind != TensorKind.BUFFER and measurable(t.tensor)]
+        return self._gradient_tensors
 
     def fingerprint_tensors(self) -> list[int]:
         """Registered parameters and buffers that data parallelism keeps identical on every rank (not the

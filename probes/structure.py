@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import sys
 import types
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -27,9 +28,12 @@ _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, s
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.CodeType, types.FrameType, types.GeneratorType, types.CoroutineType,
            property, classmethod, staticmethod)
+# Packages whose objects hold no user layers: the walk does not enter them. The frameworks' own objects
+# (a LightningModule holds its Trainer, whose profiler holds a weakref.proxy of the model) are among them.
 _SKIP_PACKAGES = ("torch", "numpy", "logging", "threading", "multiprocessing", "concurrent",
                   "asyncio", "io", "_io", "socket", "ssl", "sqlite3", "queue", "weakref", "abc",
-                  "builtins", "re", "functools", "typing", "pathlib", "tokenizers", "probes")
+                  "builtins", "re", "functools", "typing", "pathlib", "tokenizers", "probes",
+                  "lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
 MAX_WALK_NODES = 200_000
 MAX_WALK_DEPTH = 24
 
@@ -329,6 +333,8 @@ class _Builder:
             self.truncated = True
             return
         self.walk_nodes += 1
+        if isinstance(obj, weakref.ProxyTypes):
+            return          # a weak proxy passes isinstance(nn.Module) under another id: never the user's layer
         if isinstance(obj, nn.Module):
             if id(obj) in self.module_by_id or id(obj) in self.wrappers:
                 return

@@ -327,6 +327,7 @@ class Watcher:
             self._write_counters(last_step=step)
         self._stepped.clear()
         self._capture.detach()
+        self._probe.gc.resume()                     # after the step's records became garbage, not before
         self._probe.start_step(step + 1)
         if self._policy.should_sample(step + 1):
             self._capture.arm(self._index)

@@ -16,8 +16,8 @@ from probes.schema import display_path
 from .. import figures, ids
 from ..components import finding_badges, kind_badge, message, severity_pill, table
 from ..config import AppConfig
-from ..data import compare_stores
 from ..poll import callback, reads_store
+from ..run import compare_runs
 
 MAX_ROWS = 500
 MAX_KEYS_SHOWN = 300
@@ -139,14 +139,15 @@ def modules_table(cmp: dict[str, Any], changed_only: bool, labels: Sequence[str]
 
 
 def register(app: Dash, config: AppConfig) -> None:
-    store_a, store_b = config.store, config.store_b
-    assert store_b is not None     # AppConfig checks it in compare mode
+    source_a, source_b = config.source, config.source_b
+    assert source_b is not None     # AppConfig checks it in compare mode
 
     @callback(app, Output(ids.CMP_SUMMARY, "children"), Output(ids.CMP_FINDINGS, "children"),
                   Output(ids.CMP_KEYS, "children"), Output(ids.CMP_MODULES, "children"),
                   Input(ids.CMP_CHANGED_ONLY, "value"))
-    @reads_store(store_a, failed=lambda text: (message(text, "bad"), None, None, None), tick_first=False)
+    @reads_store(source_a, failed=lambda text: (message(text, "bad"), None, None, None), tick_first=False)
     def render(changed_only: list[str] | None) -> tuple[Any, ...]:
-        cmp = compare_stores(store_a, store_b)
+        """The newest run of each side (each one's findings merged over its ranks)."""
+        cmp = compare_runs(source_a.run(), source_b.run())
         return (summary_table(cmp, config.labels), findings_block(cmp, config.labels),
                 keys_block(cmp, config.labels), modules_table(cmp, bool(changed_only), config.labels))

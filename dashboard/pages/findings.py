@@ -1,9 +1,11 @@
-"""Findings: every finding sorted by severity, with message, evidence and fix.
+"""Findings: every finding of the run once (merged over its ranks, with the ranks it occurs on and the
+findings only the comparison of ranks shows), root causes first with their consequences folded under
+them, sorted by severity, with message, evidence, fix, and how often and when each was seen.
 Clicking one selects its module and opens the Modules page."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dash import Dash, Input, Output, dcc, html
@@ -13,9 +15,9 @@ from probes.schema import Severity
 from .. import ids
 from ..components import finding_card, message, severity_of, severity_pill
 from ..config import AppConfig
-from ..poll import Tick, callback, plural, reads_store
+from ..poll import Tick, callback, plural, reads_store, view_of
 
-MAX_SHOWN = 300   # cards drawn at once (each is a handful of components)
+MAX_SHOWN = 300   # root-cause cards drawn at once (each is a handful of components)
 
 
 def layout(config: AppConfig) -> html.Div:
@@ -30,36 +32,40 @@ def layout(config: AppConfig) -> html.Div:
     ], className="panel findings-page")
 
 
-def finding_list(items: list[dict[str, Any]], severities: Sequence[str]) -> list[Any]:
-    """The cards of ``items`` whose severity is checked (one this version does not know counts as
-    info), with a count per severity."""
+def open_attrs(f: Mapping[str, Any]) -> dict[str, Any]:
+    """A card's click opens its module (on the rank shown)."""
+    mid = f.get("module_id")
+    return {"title": "click to show this module", "className": "clickable",
+            **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1)}
+
+
+def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False) -> list[Any]:
+    """The cards of the root causes in ``items`` (folded: each with its ``consequences``) whose
+    severity is checked (one this version does not know counts as info), with a count per severity
+    and, over the ranks of a distributed run, the ranks each occurs on."""
     shown = [f for f in items if severity_of(f["severity"]).value in severities]
     if not shown:
         return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
     counts = {s: sum(1 for f in shown if severity_of(f["severity"]) is s) for s in Severity}
-    out: list[Any] = [html.Div([severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]],
+    folded = sum(len(f.get("consequences") or []) for f in shown)
+    out: list[Any] = [html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
+                                html.Span(f"root causes, {plural(folded, 'consequence')} folded under them",
+                                          className="muted") if folded else None],
                                className="sev-row findings-summary")]
     for f in shown[:MAX_SHOWN]:
-        mid = f["module_id"] if f["module_id"] is not None else -1
-        out.append(finding_card(f, title="click to show this module", className="clickable",
-                                **ids.click_attrs(ids.ClickAction.OPEN, mid)))
+        out.append(finding_card(f, show_ranks=show_ranks, attrs_of=open_attrs))
     if len(shown) > MAX_SHOWN:
-        out.append(message(f"first {MAX_SHOWN} of {len(shown):,} findings shown: narrow by severity, or "
+        out.append(message(f"first {MAX_SHOWN} of {len(shown):,} root causes shown: narrow by severity, or "
                            "filter the module tree by finding"))
     return out
 
 
 def register(app: Dash, config: AppConfig) -> None:
-    store = config.store
-
     @callback(app, Output(ids.FINDINGS_LIST, "children"), Input(ids.TICK, "data"),
-                  Input(ids.FINDINGS_SEVERITY, "value"), Input(ids.FINDINGS_SHOW_RESOLVED, "value"),
-                  Input(ids.RANK, "value"))
-    @reads_store(store, waiting=lambda text: [message(text, "wait")], failed=lambda text: [message(text, "bad")])
-    def render(tick: Tick, severities: list[str] | None, resolved: list[str] | None, rank: int | None) -> list[Any]:
-        items = store.findings(rank or 0, active=None if resolved else True)
-        for f in items:
-            if f["module_id"] is None:
-                m = store.module_for_path(rank or 0, f["path"])
-                f["module_id"] = m["module_id"] if m else None
-        return finding_list(items, severities or [])
+                  Input(ids.FINDINGS_SEVERITY, "value"), Input(ids.FINDINGS_SHOW_RESOLVED, "value"))
+    @reads_store(config.source, waiting=lambda text: [message(text, "wait")],
+                 failed=lambda text: [message(text, "bad")])
+    def render(tick: Tick, severities: list[str] | None, resolved: list[str] | None) -> list[Any]:
+        run, rank = view_of(config, tick)
+        items = run.folded_findings(active=None if resolved else True, rank=rank)
+        return finding_list(items, severities or [], show_ranks=len(tick.ranks) > 1)

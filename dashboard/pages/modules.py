@@ -19,7 +19,8 @@ from .. import figures, ids
 from ..components import KIND_TITLES, badge_specs, finding_badges, finding_card, kind_badge, message, params_text, table
 from ..config import AppConfig
 from ..data import MAX_CHILDREN, MAX_SEARCH, Store
-from ..poll import Tick, callback, plural, reads_store
+from ..poll import Tick, callback, plural, reads_store, view_of
+from ..run import Run, fold_causes, format_ranks
 
 MAX_VISIBLE_ROWS = 2000
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
@@ -68,6 +69,7 @@ def layout(config: AppConfig) -> html.Div:
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=hidden()),
             html.Div(id=ids.DETAIL_PARAMS),
+            html.Div(id=ids.DETAIL_RANKS),
             html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
         ], className="panel detail-panel"),
@@ -150,9 +152,17 @@ def filter_options(codes: list[str]) -> list[dict[str, str]]:
 
 
 # -- clicks ---------------------------------------------------------------------------------------------
-def handle_click(store: Store, click: object, expanded: object, rank: int) -> tuple[Any, Any]:
+def expanded_ids(expanded: object, view: list[Any]) -> list[int] | None:
+    """The expanded nodes stored for ``view`` ([run, rank]); None when they were stored for another
+    run or rank (module ids differ between them) or not yet."""
+    if isinstance(expanded, dict) and expanded.get("view") == view and isinstance(expanded.get("ids"), list):
+        return [int(i) for i in expanded["ids"]]
+    return None
+
+
+def handle_click(store: Store, click: object, expanded: object, rank: int, view: list[Any]) -> tuple[Any, Any]:
     """(expanded nodes, page path) after one click from assets/modscope.js; the selection itself
-    is set in the browser (modscope.selectFromClick)."""
+    is set in the browser (modscope.selectFromClick). ``view``: the run and rank shown."""
     if not isinstance(click, dict):
         raise PreventUpdate
     try:
@@ -163,22 +173,24 @@ def handle_click(store: Store, click: object, expanded: object, rank: int) -> tu
     if mid < 0:
         raise PreventUpdate
     if action is ids.ClickAction.TOGGLE:
-        exp = list(expanded) if isinstance(expanded, list) else store.default_expanded(rank)
+        exp = expanded_ids(expanded, view)
+        exp = store.default_expanded(rank) if exp is None else exp
         if mid in exp:
             exp.remove(mid)
         else:
             exp.append(mid)
-        return exp, no_update
-    return expand_to(store, rank, mid, expanded), "/modules" if action is ids.ClickAction.OPEN else no_update
+        return {"view": view, "ids": exp}, no_update
+    return expand_to(store, rank, mid, expanded, view), "/modules" if action is ids.ClickAction.OPEN else no_update
 
 
-def expand_to(store: Store, rank: int, module_id: int, expanded: object) -> Any:
+def expand_to(store: Store, rank: int, module_id: int, expanded: object, view: list[Any]) -> Any:
     """The expanded nodes with the ancestors of ``module_id`` added (no_update when all are)."""
-    exp = list(expanded) if isinstance(expanded, list) else store.default_expanded(rank)
+    have = expanded_ids(expanded, view)
+    exp = store.default_expanded(rank) if have is None else have
     missing = [a for a in store.ancestors(rank, module_id) if a not in exp]
-    if not missing and isinstance(expanded, list):
+    if not missing and have is not None:
         return no_update
-    return exp + missing
+    return {"view": view, "ids": exp + missing}
 
 
 # -- detail rendering ---------------------------------------------------------------------------------
@@ -198,10 +210,39 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
-def findings_section(items: list[dict[str, Any]]) -> html.Div | None:
+def findings_section(items: list[dict[str, Any]], *, show_ranks: bool = False) -> html.Div | None:
+    """The module's findings: root causes with their consequences folded under them."""
     if not items:
         return None
-    return html.Div([html.H3("Findings"), *[finding_card(f) for f in items]], className="detail-findings")
+    return html.Div([html.H3("Findings"), *[finding_card(f, show_ranks=show_ranks) for f in fold_causes(items)]],
+                    className="detail-findings")
+
+
+def module_findings(run: Run, rank: int, mid: int) -> list[dict[str, Any]]:
+    """The run's findings (merged over its ranks, resolved ones too) drawn on module ``mid`` of ``rank``."""
+    return [f for f in run.findings_merged(active=None, rank=rank) if f.get("module_id") == mid]
+
+
+def ranks_table(norms: Mapping[str, Any]) -> html.Div | None:
+    """The module's tensors' local gradient norms (each rank's own, before the all-reduce), one column
+    per rank: a rank whose gradient differs stands out."""
+    ranks = norms.get("ranks") or []
+    rows = [r for r in norms.get("rows") or [] if any(v is not None for v in r["values"].values())]
+    if len(ranks) < 2 or not rows:
+        return None
+    steps = norms.get("steps") or {}
+    same_step = len({steps.get(r) for r in ranks}) == 1
+    heads = ["tensor", *(f"rank {r}" + ("" if same_step or steps.get(r) is None else f" (step {steps[r]})")
+                         for r in ranks)]
+    body = [[html.Td(r["name"], className="mono", title=r["path"]), *(r["values"].get(k) for k in ranks)]
+            for r in rows]
+    step = f" at step {steps.get(ranks[0])}" if same_step and steps.get(ranks[0]) is not None else ""
+    more = norms.get("more_ranks") or 0
+    return html.Div([html.H3(f"Local gradient norms per rank{step}"),
+                     html.Div("each rank's own gradient, before the all-reduce", className="muted small"),
+                     html.Div(table(heads, body, "ranks-grad-table"), className="table-scroll"),
+                     message(f"{format_ranks(range(len(ranks), len(ranks) + more))} not shown") if more else None],
+                    className="params")
 
 
 def _yn(v: object) -> str:
@@ -242,38 +283,50 @@ class DetailOutputs(NamedTuple):
     charts_style: Any
     chart: Any               # a figure, or a Patch extending the open one
     params: Any
-    state: Any               # {"rank", "module_id", "last", "has_data", "has_grad"}: what the chart shows
+    ranks: Any               # local gradient norms per rank (a run of several ranks)
+    state: Any               # {"view", "rank", "module_id", "last", "has_data", "has_grad"}: what the chart shows
 
 
 def detail_error(text: str) -> DetailOutputs:
-    return DetailOutputs([message(text, "bad")], None, hidden(), no_update, None, None)
+    return DetailOutputs([message(text, "bad")], None, hidden(), no_update, None, None, None)
 
 
-def detail_full(store: Store, rank: int, mid: int) -> DetailOutputs:
+def detail_cleared() -> DetailOutputs:
+    """Nothing selected (another run or rank is shown now)."""
+    return DetailOutputs(message("Select a module in the tree."), None, hidden(), figures.empty_figure(""), None,
+                         None, None)
+
+
+def detail_full(run: Run, rank: int, mid: int) -> DetailOutputs:
+    store = run.at(rank)
     m = store.module(rank, mid)
     if m is None:
         return detail_error(f"Module {mid} is not in this store.")
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
+    several = len(run.ranks()) > 1
     return DetailOutputs(
-        detail_header(m, own), findings_section(store.findings(rank, active=None, module_id=mid)), shown(),
-        figures.detail_series_figure(series, f"{rank}-{mid}"), params_table(store.module_params(rank, mid)),
-        {"rank": rank, "module_id": mid, "last": series["last"], "has_data": bool(series["step"]),
-         "has_grad": any(v is not None for v in series["out_grad_norm"])})
+        detail_header(m, own), findings_section(module_findings(run, rank, mid), show_ranks=several), shown(),
+        figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}"), params_table(store.module_params(rank, mid)),
+        ranks_table(run.local_grad_norms(rank, mid)) if several else None,
+        {"view": [run.key, rank], "rank": rank, "module_id": mid, "last": series["last"],
+         "has_data": bool(series["step"]), "has_grad": any(v is not None for v in series["out_grad_norm"])})
 
 
-def detail_increment(store: Store, rank: int, mid: int, state: dict[str, Any]) -> DetailOutputs:
+def detail_increment(run: Run, rank: int, mid: int, state: dict[str, Any]) -> DetailOutputs:
     """New samples of the open module: the chart extended in place (a Patch), unless its gradient
     panel was still the "no gradients yet" message (then drawn whole)."""
     if not state.get("has_data"):
-        return detail_full(store, rank, mid)
+        return detail_full(run, rank, mid)
+    store = run.at(rank)
     new = store.module_series(rank, mid, since_step=state.get("last"))
     if not new["step"]:
         raise PreventUpdate
     has_grad = bool(state.get("has_grad", False))
     chart: Any
     if not has_grad and any(v is not None for v in new["out_grad_norm"]):
-        chart = figures.detail_series_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS), f"{rank}-{mid}")
+        chart = figures.detail_series_figure(store.module_series(rank, mid, max_points=DETAIL_POINTS),
+                                             f"{run.key}-{rank}-{mid}")
         has_grad = True
     else:
         chart = Patch()
@@ -283,42 +336,49 @@ def detail_increment(store: Store, rank: int, mid: int, state: dict[str, Any]) -
             chart["data"][i]["y"].extend(new[key])
     m = store.module(rank, mid)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
+    several = len(run.ranks()) > 1
     return DetailOutputs(
-        detail_header(m, own) if m else no_update, findings_section(store.findings(rank, active=None, module_id=mid)),
+        detail_header(m, own) if m else no_update,
+        findings_section(module_findings(run, rank, mid), show_ranks=several),
         no_update, chart, params_table(store.module_params(rank, mid)),
+        ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {**state, "last": new["last"], "has_grad": has_grad})
 
 
 # -- callbacks ------------------------------------------------------------------------------------------
 def register(app: Dash, config: AppConfig) -> None:
-    store = config.store
+    source = config.source
 
-    @callback(app, Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"), Input(ids.RANK, "value"))
-    @reads_store(store, waiting=lambda _text: [])
-    def update_filter_options(tick: Tick, rank: int | None) -> list[dict[str, str]]:
-        return filter_options(store.finding_codes(rank or 0))
+    @callback(app, Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"))
+    @reads_store(source, waiting=lambda _text: [])
+    def update_filter_options(tick: Tick) -> list[dict[str, str]]:
+        run, rank = view_of(config, tick)
+        return filter_options(run.at(rank).finding_codes(rank))
 
     def tree_message(text: str) -> tuple[Any, ...]:
         return {"rows": [], "message": text}, "", None
 
     @callback(app, Output(ids.TREE_DATA, "data"), Output(ids.TREE_INFO, "children"), Output(ids.TREE_STATE, "data"),
                   Input(ids.TICK, "data"), Input(ids.EXPANDED, "data"), Input(ids.TREE_SEARCH, "value"),
-                  Input(ids.TREE_FILTER, "value"), Input(ids.RANK, "value"),
+                  Input(ids.TREE_FILTER, "value"),
                   State(ids.SELECTED, "data"), State(ids.TREE_STATE, "data"))
-    @reads_store(store, waiting=tree_message, failed=tree_message)
-    def render_tree(tick: Tick, expanded: object, text: str | None, code: str | None, rank: int | None,
+    @reads_store(source, waiting=tree_message, failed=tree_message)
+    def render_tree(tick: Tick, expanded: object, text: str | None, code: str | None,
                     selected: object, tree_state: object) -> tuple[Any, ...]:
-        """The visible rows. A new selection only moves the highlight (done in the browser)."""
-        key = [list(tick.structure), rank]
+        """The visible rows of the run and rank shown. A new selection only moves the highlight (done
+        in the browser)."""
+        key = [list(tick.structure), *tick.view]
         if ctx.triggered_id == ids.TICK and isinstance(tree_state, dict) and tree_state.get("structure") == key:
             raise PreventUpdate  # a new step without new modules or findings: the tree is unchanged
-        rank = rank or 0
-        sel = selected.get("module_id") if isinstance(selected, dict) else None
+        run, rank = view_of(config, tick)
+        store = run.at(rank)
+        sel = selected.get("module_id") if isinstance(selected, dict) and selected.get("run") == run.key \
+            and selected.get("rank") == rank else None
         if (text or "").strip() or code:
             data, info = build_results(store, rank, text or "", code, sel)
         else:
-            exp = expanded if isinstance(expanded, list) else store.default_expanded(rank)
-            data, info = build_tree(store, rank, exp, sel)
+            exp = expanded_ids(expanded, [run.key, rank])
+            data, info = build_tree(store, rank, store.default_expanded(rank) if exp is None else exp, sel)
         return data, info, {"structure": key}
 
     app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="renderTree"),
@@ -327,47 +387,53 @@ def register(app: Dash, config: AppConfig) -> None:
                             Output(ids.TREE, "className"), Input(ids.SELECTED, "data"))
 
     # The selection is set in the browser (no round trip before the detail callback starts); the
-    # server expands the selected module's ancestors and switches to /modules in parallel.
+    # server expands the selected module's ancestors and switches to /modules in parallel. A tick
+    # that shows another run or rank clears it.
     app.clientside_callback(ClientsideFunction(namespace="modscope", function_name="selectFromClick"),
-                            Output(ids.SELECTED, "data"), Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"),
+                            Output(ids.SELECTED, "data"), Input(ids.UI_CLICK, "data"), Input(ids.TICK, "data"),
                             State(ids.SELECTED, "data"), prevent_initial_call=True)
 
     @callback(app, Output(ids.EXPANDED, "data"), Output(ids.URL, "pathname"),
-                  Input(ids.UI_CLICK, "data"), Input(ids.RANK, "value"),
-                  State(ids.EXPANDED, "data"), prevent_initial_call=True)
-    @reads_store(store, tick_first=False)
-    def on_click(click: object, rank: int | None, expanded: object) -> tuple[Any, Any]:
-        """Tree toggles, tree selections and findings (which open their module). Another rank
-        has other module ids: switching rank starts from its default view."""
-        if ctx.triggered_id == ids.RANK:
-            return None, no_update
-        return handle_click(store, click, expanded, rank or 0)
+                  Input(ids.UI_CLICK, "data"), State(ids.TICK, "data"), State(ids.EXPANDED, "data"),
+                  prevent_initial_call=True)
+    @reads_store(source, tick_first=False)
+    def on_click(click: object, tick: object, expanded: object) -> tuple[Any, Any]:
+        """Tree toggles, tree selections and findings (which open their module). Expanded nodes are
+        kept per run and rank (module ids differ between them): another view starts from its default."""
+        run, rank = view_of(config, Tick.from_data(tick))
+        return handle_click(run.at(rank), click, expanded, rank, [run.key, rank])
 
     @callback(app,
         Output(ids.DETAIL_HEADER, "children"), Output(ids.DETAIL_FINDINGS, "children"),
         Output(ids.DETAIL, "style"),
         Output(ids.DETAIL_ACT, "figure"),
-        Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_STATE, "data"),
+        Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_RANKS, "children"), Output(ids.DETAIL_STATE, "data"),
         Input(ids.TICK, "data"), Input(ids.SELECTED, "data"), State(ids.DETAIL_STATE, "data"))
-    @reads_store(store, failed=detail_error)
+    @reads_store(source, failed=detail_error)
     def render_detail(tick: Tick, selected: object, state: object) -> DetailOutputs:
         """Header, findings, the series chart (three panels, one figure; extended in place when
-        live) and parameters."""
-        if not isinstance(selected, dict) or selected.get("module_id") is None:
+        live), parameters and, for several ranks, their local gradient norms side by side."""
+        run, rank = view_of(config, tick)
+        if (not isinstance(selected, dict) or selected.get("module_id") is None
+                or selected.get("run") != run.key or selected.get("rank") != rank):
+            if isinstance(state, dict):
+                return detail_cleared()
             raise PreventUpdate
-        rank, mid = int(selected.get("rank") or 0), int(selected["module_id"])
+        mid = int(selected["module_id"])
         if (ctx.triggered_id == ids.TICK and isinstance(state, dict) and state.get("module_id") == mid
-                and state.get("rank") == rank):
-            return detail_increment(store, rank, mid, state)
-        return detail_full(store, rank, mid)
+                and state.get("view") == [run.key, rank]):
+            return detail_increment(run, rank, mid, state)
+        return detail_full(run, rank, mid)
 
     @callback(app, Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
-    @reads_store(store, failed=figures.empty_figure, tick_first=False)
+    @reads_store(source, failed=figures.empty_figure, tick_first=False)
     def render_heat(state: object) -> dict[str, Any]:
         """The histogram heat map follows the other charts (drawn after them, rebuilt - thinned to
         DETAIL_HEAT_COLUMNS - when the module got new samples)."""
         if not isinstance(state, dict) or state.get("module_id") is None:
             raise PreventUpdate
-        rank, mid = int(state.get("rank") or 0), int(state["module_id"])
-        return figures.heatmap_figure(store.module_hist(rank, mid, max_cols=DETAIL_HEAT_COLUMNS), f"{rank}-{mid}")
-
+        run_key, rank = state.get("view") or ["", 0]
+        run = source.run(run_key or None)
+        mid = int(state["module_id"])
+        return figures.heatmap_figure(run.at(int(rank)).module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS),
+                                      f"{run.key}-{rank}-{mid}")

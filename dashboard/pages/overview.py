@@ -1,4 +1,6 @@
-"""Overview: run identity, progress, sampling health, findings by severity, loss curve."""
+"""Overview: run identity, progress, sampling health, root causes by severity, loss curve, and for
+a run of several ranks one line per rank (step, step time, overhead, samples stored and dropped, the
+writer's state)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,16 @@ import datetime as _dt
 from collections.abc import Mapping
 from typing import Any
 
-from dash import Dash, Input, Output, Patch, State, ctx, dcc, html
+from dash import Dash, Input, Output, Patch, State, dcc, html
 from dash.exceptions import PreventUpdate
 
 from probes.schema import ModuleKind, Severity, display_path
 
 from .. import figures, ids
-from ..components import card, message, severity_pill, table
+from ..components import card, consequences_text, message, severity_pill, table
 from ..config import AppConfig
-from ..poll import Tick, callback, plural, reads_store
+from ..data import RunState
+from ..poll import Tick, callback, plural, reads_store, view_of
 
 TOP_FINDINGS = 6
 
@@ -22,6 +25,7 @@ TOP_FINDINGS = 6
 def layout(config: AppConfig) -> html.Div:
     return html.Div([
         html.Div(id=ids.OV_CARDS, className="cards"),
+        html.Div(id=ids.OV_RANKS),
         html.Div([
             html.Div([dcc.Graph(id=ids.OV_LOSS, config={"displaylogo": False, "displayModeBar": "hover"},
                                 figure=figures.empty_figure("Loading…"))], className="panel grow"),
@@ -40,7 +44,9 @@ def _when(ts: float | None) -> str | None:
 
 
 def overview_cards(ov: Mapping[str, Any]) -> list[html.Div]:
-    sev = ov["findings"]
+    """The cards of the rank shown; the root causes are the run's (merged over its ranks)."""
+    roots = ov.get("root_causes") or ov["findings"]
+    total = ov.get("findings_total", sum(ov["findings"].values()))
     mods = ov["modules"]
     params = ov.get("params") or {}
     overhead = ov.get("overhead")
@@ -48,8 +54,8 @@ def overview_cards(ov: Mapping[str, Any]) -> list[html.Div]:
     dropped = ov["samples_dropped"]
     return [
         card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}"
-             + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else ""),
-             "wide"),
+             + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else "")
+             + (f" · run {ov['run_id']}" if ov.get("run_id") else ""), "wide"),
         card("Step", figures.fmt_num(ov.get("step")), plural(ov["steps_recorded"], "step") + " recorded"
              + (f" · updated {_when(ov['updated_at'])}" if ov.get("updated_at") else "")),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),
@@ -67,9 +73,12 @@ def overview_cards(ov: Mapping[str, Any]) -> list[html.Div]:
              + (f" · {figures.fmt_count(params.get('unregistered'))} unregistered"
                 if params.get("unregistered") else "")),
         html.Div([
-            html.Div("Findings", className="card-label"),
-            html.Div([dcc.Link(severity_pill(s, plural(sev[s], s.value)), href="/findings", className="plain")
+            html.Div("Root causes", className="card-label"),
+            html.Div([dcc.Link(severity_pill(s, plural(roots[s], s.value)), href="/findings", className="plain")
                       for s in Severity], className="card-value sev-row"),
+            html.Div(f"{plural(total, 'finding')} with their consequences"
+                     + (f" · {plural(ov['rank_count'], 'rank')}" if ov.get("rank_count", 1) > 1 else ""),
+                     className="card-sub"),
         ], className="card wide"),
     ]
 
@@ -84,19 +93,45 @@ def _sampling(s: object) -> str:
 
 
 def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[Any]:
+    """The first root causes (each with how many consequences it explains)."""
     if not items:
         return [message("No active findings.", "ok")]
     out: list[Any] = []
     for f in items[:TOP_FINDINGS]:
+        n = len(f.get("consequences") or [])
         out.append(html.Div([
             severity_pill(f["severity"], f["code"]),
             html.Div(display_path(f["path"]), className="mono path"),
-        ], **ids.click_attrs(ids.ClickAction.OPEN, f["module_id"]),
+            html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None,
+        ], **ids.click_attrs(ids.ClickAction.OPEN, f.get("module_id")),
             className=f"top-finding clickable sev-border-{f['severity']}", title="show this module"))
     total = len(items) if total is None else total
     if total > TOP_FINDINGS:
-        out.append(dcc.Link(f"all {total:,} findings →", href="/findings", className="more"))
+        out.append(dcc.Link(f"all {total:,} root causes →", href="/findings", className="more"))
     return out
+
+
+def rank_table(rows: list[dict[str, Any]]) -> html.Div | None:
+    """One line per rank: step, median step time of the recent steps, overhead, samples stored and
+    dropped, failed commits, host, and the writer's state (a rank that stalled or ended is marked)."""
+    if len(rows) < 2:
+        return None
+    body = []
+    for r in rows:
+        bad = r["state"] in (RunState.STALLED, RunState.ENDED)
+        body.append([
+            html.Td(f"rank {r['rank']}", className="mono"),
+            r["step"], r["median_step_ms"],
+            "–" if r["overhead"] is None else f"{r['overhead'] * 100:.2f}%",
+            r["samples_stored"],
+            html.Td(figures.fmt_num(r["samples_dropped"]), className="num bad" if r["samples_dropped"] else "num"),
+            html.Td(figures.fmt_num(r["write_errors"]), className="num bad" if r["write_errors"] else "num"),
+            html.Td(r.get("hostname") or "–", className="mono"),
+            html.Td(r["status_text"], className="bad" if bad else ""),
+        ])
+    return html.Div([html.H3(f"Ranks ({len(rows)})"), table(
+        ["rank", "step", "step time (ms, median)", "overhead", "samples stored", "samples dropped",
+         "failed commits", "host", "status"], body, "ranks-table")], className="panel", id="ranks-panel")
 
 
 def probe_errors_block(errs: list[dict[str, Any]]) -> html.Div | None:
@@ -109,27 +144,32 @@ def probe_errors_block(errs: list[dict[str, Any]]) -> html.Div | None:
 
 
 def register(app: Dash, config: AppConfig) -> None:
-    store = config.store
+    source = config.source
 
     @callback(app, Output(ids.OV_CARDS, "children"), Output(ids.OV_TOP_FINDINGS, "children"),
-                  Output(ids.OV_ERRORS, "children"),
-                  Input(ids.TICK, "data"), Input(ids.RANK, "value"))
-    @reads_store(store, waiting=lambda text: ([message(text, "wait")], [], None),
-                 failed=lambda text: ([message(text, "bad")], [], None))
-    def update_cards(tick: Tick, rank: int | None) -> tuple[Any, ...]:
-        ov = store.overview(rank or 0)
-        items = store.findings(rank or 0, active=True, limit=TOP_FINDINGS + 1)
-        errs = store.probe_errors(rank or 0) if ov["probe_errors"] else []
-        return overview_cards(ov), top_findings(items, sum(ov["findings"].values())), probe_errors_block(errs)
+                  Output(ids.OV_ERRORS, "children"), Output(ids.OV_RANKS, "children"),
+                  Input(ids.TICK, "data"))
+    @reads_store(source, waiting=lambda text: ([message(text, "wait")], [], None, None),
+                 failed=lambda text: ([message(text, "bad")], [], None, None))
+    def update_cards(tick: Tick) -> tuple[Any, ...]:
+        run, rank = view_of(config, tick)
+        ov = run.overview(rank)
+        roots = run.folded_findings(active=True, rank=rank)
+        store = run.at(rank)
+        errs = store.probe_errors(rank) if ov["probe_errors"] else []
+        rows = run.rank_rows() if ov["rank_count"] > 1 else []
+        return overview_cards(ov), top_findings(roots), probe_errors_block(errs), rank_table(rows)
 
     @callback(app, Output(ids.OV_LOSS, "figure"), Output(ids.OV_LOSS_STATE, "data"),
-                  Input(ids.TICK, "data"), Input(ids.RANK, "value"), State(ids.OV_LOSS_STATE, "data"))
-    @reads_store(store, waiting=lambda text: (figures.empty_figure(text), None),
+                  Input(ids.TICK, "data"), State(ids.OV_LOSS_STATE, "data"))
+    @reads_store(source, waiting=lambda text: (figures.empty_figure(text), None),
                  failed=lambda text: (figures.empty_figure(text), None))
-    def update_loss(tick: Tick, rank: int | None, state: dict[str, Any] | None) -> tuple[Any, Any]:
-        rank = rank or 0
-        if (ctx.triggered_id == ids.TICK and state and state.get("rank") == rank and state.get("has_data")
-                and state.get("last") is not None):
+    def update_loss(tick: Tick, state: dict[str, Any] | None) -> tuple[Any, Any]:
+        """The loss of the rank shown: extended in place while the same run and rank are shown."""
+        run, rank = view_of(config, tick)
+        store = run.at(rank)
+        view = [run.key, rank]
+        if state and state.get("view") == view and state.get("has_data") and state.get("last") is not None:
             new = store.loss_series(rank, since_step=state["last"])
             if not new["step"]:
                 raise PreventUpdate
@@ -138,5 +178,5 @@ def register(app: Dash, config: AppConfig) -> None:
             patch["data"][0]["y"].extend(new["loss"])
             return patch, {**state, "last": new["last"]}
         series = store.loss_series(rank)
-        fig = figures.loss_figure(series, uirevision=f"loss-{rank}")
-        return fig, {"rank": rank, "last": series["last"], "has_data": bool(series["step"])}
+        fig = figures.loss_figure(series, uirevision=f"loss-{run.key}-{rank}")
+        return fig, {"view": view, "last": series["last"], "has_data": bool(series["step"])}

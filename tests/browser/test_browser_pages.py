@@ -191,3 +191,120 @@ def test_review_mode_header_shows_step_and_status(page, server_factory, demo_sto
     srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
     page.get(srv.url)
     wait_text(page, "step 39 · closed", "#run-status")
+
+
+# -- runs and ranks ---------------------------------------------------------------------------------------------
+def choose(page, select_id: str, text: str) -> None:
+    click(page, f"#{select_id}")
+    click(page, "[role='option'], .dash-dropdown-option, .Select-option", text)
+
+
+def test_run_selector_lists_the_runs_and_follows_the_newest(page, server_factory, tmp_path):
+    """A directory of several runs: the newest is shown, the selector (only there when there are
+    several runs) switches every page to the chosen one, and while "newest" is chosen a training
+    restarted into the directory is shown on its own."""
+    run_dir = tmp_path / "runs"
+    synth_store.rank_run(run_dir, "aaa", 2, 5, run_name="first")
+    srv = server_factory(["--run", str(run_dir)])
+    page.get(srv.url)
+    wait_text(page, "first", "#ov-cards")
+    assert not page.find_element(By.ID, "run-select").is_displayed()       # one run: no selector
+    writer = synth_store.rank_run(run_dir, "bbb", 2, 8, run_name="second", close=False)
+    try:
+        wait_text(page, "second", "#ov-cards")                                # followed without a reload
+        wait_text(page, "step 7", "#run-status")
+        wait_for(page, lambda d: d.find_element(By.ID, "run-select").is_displayed(), "the run selector")
+        wait_text(page, "newest: bbb · second", "#run-select")
+        choose(page, "run-select", "aaa · first")
+        wait_text(page, "first", "#ov-cards")
+        wait_text(page, "step 4", "#run-status")
+        click(page, ".nav-link", "Modules")
+        wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row[data-path='encoder']"), "run aaa's tree")
+        # the chosen run stays chosen while the newest goes on
+        for w in writer:
+            w.add_steps(2)
+        click(page, ".nav-link", "Overview")
+        wait_text(page, "first", "#ov-cards")
+        assert "step 4" in page.find_element(By.ID, "run-status").text
+        choose(page, "run-select", "newest")
+        wait_text(page, "second", "#ov-cards")
+        wait_text(page, "step 9", "#run-status")
+        screenshot(page, "run-selector")
+    finally:
+        for w in writer:
+            w.close()
+
+
+def test_a_run_of_several_ranks(page, server_factory, tmp_path):
+    """Four ranks of one run: one line per rank on the Overview (a rank whose process is gone shows as
+    ended), findings listed once with their ranks, the divergence only a comparison of ranks shows, the
+    local gradient norms of every rank side by side, and the rank selector."""
+    import subprocess
+    import sys
+    run_dir = tmp_path / "ddp"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stores = synth_store.rank_run(run_dir, "job", 4, 40, close=False,
+                                  diverge={1: {"encoder.blocks.1.weight": (25, 0.5)}},
+                                  pids={0: os.getpid(), 1: os.getpid(), 2: os.getpid(), 3: gone.pid})
+    try:
+        for st in stores:
+            st.add_finding("dead-units", "head", "warning", 9, "dead units in the head", count=3)
+        srv = server_factory(["--run", str(run_dir)])
+        page.get(srv.url)
+        row = wait_text(page, "rank 3", "#ov-ranks tbody tr:nth-child(4)")
+        assert len(page.find_elements(By.CSS_SELECTOR, "#ov-ranks tbody tr")) == 4
+        assert "ended without close (process gone)" in row.text
+        wait_text(page, "rank 3 ended without close", "#run-status")
+        screenshot(page, "ranks-overview")
+        click(page, ".nav-link", "Findings")
+        wait_text(page, "rank-divergence", "#findings-list")
+        cards = page.find_elements(By.CSS_SELECTOR, "#findings-list > .finding")
+        assert len(cards) == 2
+        divergence = next(c for c in cards if "rank-divergence" in c.text)
+        assert "encoder.blocks.1.weight" in divergence.text and "rank 1" in divergence.text
+        dead = next(c for c in cards if "dead-units" in c.text)
+        assert "ranks 0–3" in dead.text and "seen 12 times" in dead.text
+        screenshot(page, "findings-ranks")
+        divergence.click()                                      # opens the weight's module
+        wait_text(page, "encoder.blocks.1", "#detail-header h2")
+        grads = wait_text(page, "rank 3", "#detail-ranks .ranks-grad-table thead")
+        assert [th.text for th in grads.find_elements(By.CSS_SELECTOR, "th")] == \
+            ["tensor", "rank 0", "rank 1", "rank 2", "rank 3"]
+        assert [r.text.split()[0] for r in page.find_elements(By.CSS_SELECTOR, "#detail-ranks tbody tr")] == \
+            ["weight", "bias"]
+        choose(page, "rank-select", "rank 2")
+        wait_text(page, "Select a module in the tree.", "#detail-header")     # another rank: another tree
+        click(page, ".nav-link", "Overview")
+        wait_text(page, "rank 2 of 4", "#ov-cards")
+    finally:
+        for st in stores:
+            st.close()
+
+
+def test_root_causes_fold_their_consequences(page, server_factory, tmp_path):
+    """Three layers in a plain list: 15 findings shown as 3 root causes, each with "4 consequences"
+    that open on demand (without leaving the page); a consequence opens its own module."""
+    path = tmp_path / "three" / "modscope.sqlite"
+    synth_store.three_layers(path)
+    srv = server_factory(["--snapshot", str(path)])
+    page.get(srv.url)
+    wait_text(page, "3 errors", "#ov-cards")
+    wait_text(page, "15 findings with their consequences", "#ov-cards")
+    click(page, ".nav-link", "Findings")
+    wait_text(page, "unregistered-module", "#findings-list")
+    cards = page.find_elements(By.CSS_SELECTOR, "#findings-list > .finding")
+    assert len(cards) == 3 and all("seen 12 times, steps 3–40" in c.text for c in cards)
+    assert not [el for el in page.find_elements(By.CSS_SELECTOR, ".consequences-list .finding") if el.is_displayed()]
+    toggle = cards[1].find_element(By.CSS_SELECTOR, "summary.consequences-toggle")
+    assert toggle.text == "4 consequences"
+    toggle.click()
+    shown = wait_for(page, lambda d: [el for el in d.find_elements(By.CSS_SELECTOR, ".consequences-list .finding")
+                                      if el.is_displayed()], "the consequences opened")
+    assert len(shown) == 4 and all("encoder.blocks[1]." in el.text for el in shown)
+    assert {"not-updating", "grad-accumulating"} == {el.text.split()[1] for el in shown}
+    assert page.current_url.endswith("/findings")
+    screenshot(page, "findings-folded")
+    shown[0].find_element(By.CSS_SELECTOR, ".finding-message").click()
+    wait_text(page, "encoder.blocks[1]", "#detail-header h2")
+    assert page.current_url.endswith("/modules")

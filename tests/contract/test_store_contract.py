@@ -22,11 +22,20 @@ from torch import nn
 
 import probes
 from dashboard import data as data_module
-from dashboard.data import RunState, Store, compare_stores, resolve_store_path
+from dashboard.data import (
+    RunState,
+    Store,
+    compare_stores,
+    in_wal_mode,
+    last_modified,
+    resolve_store_path,
+    writer_present,
+)
 from dashboard.pages import findings as findings_page
 from dashboard.pages import modules as modules_page
 from dashboard.pages import overview as overview_page
 from dashboard.report import build_report
+from dashboard.run import RunDir, fold_causes
 from probes import schema
 from tests.probes import zoo
 
@@ -328,6 +337,7 @@ def test_the_writers_snapshot_opens_in_the_dashboard(runs, tmp_path):
         snap = w.snapshot(tmp_path / "during.sqlite")
         live = Store.open_run(tmp_path / "run")
         assert live.liveness().state is RunState.RUNNING and live.last_step() == 2
+        assert writer_present(live.path)                  # its .lock: never read as immutable while written
         w.step(step())
     s = Store.open_snapshot(snap)
     assert s.last_step() == 2 and s.overview()["status"] == "running"
@@ -405,22 +415,82 @@ def test_a_real_store_as_version_1(runs, tmp_path):
     assert [p["local_grad_norm"] for p in old.module_params(0, blk)] == [None, None]
 
 
+# -- the queries behind a run of several ranks, on a real store ------------------------------------------------
+def test_cross_rank_queries_on_a_real_store(runs):
+    """What dashboard.run and dashboard.crossrank read of each rank, against the real writer's store."""
+    r = runs["xor"]
+    s = r.store
+    assert s.sampled_steps(0) == list(range(STEPS))[::-1] and s.sampled_steps(0, 3) == [STEPS - 1, STEPS - 2, STEPS - 3]
+    times = s.step_times(0)
+    assert [step for step, _ in times] == list(range(STEPS))[::-1] and all(ms > 0 for _, ms in times)
+    values = s.tensor_values(0, STEPS - 1)
+    tensors = {p["path"] for m in s.all_modules() for p in s.module_params(0, m["module_id"])}
+    assert set(values) <= tensors and "stem.weight" in values
+    assert all(dn is not None and dn > 0 for _, dn in values.values())
+    history = s.tensor_history(0, ["stem.weight", "no.such.tensor"], STEPS - 4)
+    assert list(history) == ["stem.weight"]
+    assert [row[0] for row in history["stem.weight"]] == list(range(STEPS - 4, STEPS))
+    assert history["stem.weight"][-1][1:] == values["stem.weight"]
+    sig = s.findings_signature(0)
+    assert sig[0] == len(s.findings(active=None)) and sig == s.findings_signature(0)
+    row = s.rank_summary(0)
+    assert (row["rank"], row["step"], row["samples_stored"], row["samples_dropped"], row["status"]) == \
+        (0, STEPS - 1, STEPS, 0, "closed")
+    assert row["median_step_ms"] > 0 and row["hostname"] == socket.gethostname() and row["world_size"] == 1
+    found = s.modules_for_paths(0, ["encoder.blocks[1].weight", "stem", "no.such.thing"])
+    assert {k: v["path"] for k, v in found.items()} == \
+        {"encoder.blocks[1].weight": "encoder.blocks[1]", "stem": "stem", "no.such.thing": ""}
+    assert in_wal_mode(store_file(r.run_dir)) is True          # a local filesystem, one host: WAL
+    assert last_modified(store_file(r.run_dir)) >= s.overview()["closed_at"] - 1
+
+
+def test_a_real_run_read_as_a_run(runs, tmp_path):
+    """The run directory of a real (one-rank) run through dashboard.run: one run, its findings once,
+    consequences folded under the root causes the writer named."""
+    r = runs["xor"]
+    source = RunDir.open(r.run_dir)
+    [entry] = source.entries()
+    assert entry.files == (store_file(r.run_dir),) and entry.file_ranks == (0,)
+    run = source.run()
+    assert run.ranks() == [0] and run.run_id() == entry.run_id == s_meta_run_id(r)
+    merged = run.findings_merged()
+    assert {(f["code"], f["path"]) for f in merged} == {(f.code, f.path) for f in r.findings}
+    assert all(f["ranks"] == [0] and not f["cross_rank"] for f in merged)
+    roots = fold_causes(merged)
+    folded = [c for root in roots for c in root["consequences"]]
+    assert len(roots) + len(folded) == len(merged)
+    causes = {f.key: f.cause for f in r.findings}
+    for root in roots:
+        for c in root["consequences"]:
+            assert causes[(c["code"], c["path"])] is not None      # only a consequence is folded
+    assert [info.ranks for info in source.runs()] == [(0,)]
+    assert run.cross_rank_findings() == [] and run.rank_rows()[0]["state"] == "closed"
+    snap = tmp_path / "run.sqlite"
+    snap.write_bytes(run.snapshot_bytes())
+    assert Store.open_snapshot(snap).findings(active=None) == r.store.findings(active=None)
+
+
+def s_meta_run_id(r: Recorded) -> str:
+    return r.store.meta()["run_id"]
+
+
 # -- every page renders every real store ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["xor", "gpt", "dead", "gan"])
 def test_every_page_builder_renders_a_real_store(runs, name):
     s = runs[name].store
-    ov = s.overview()
+    run = RunDir.open(runs[name].run_dir).run()
+    ov = run.overview(0)
     assert overview_page.overview_cards(ov)
-    assert overview_page.top_findings(s.findings(), sum(ov["findings"].values()))
+    assert overview_page.top_findings(run.folded_findings())
     tree, info = modules_page.build_tree(s, 0, s.default_expanded(), None)
     assert tree["rows"] and info.endswith("nodes shown")
     for m in s.all_modules():
-        detail = modules_page.detail_full(s, 0, m["module_id"])
+        detail = modules_page.detail_full(run, 0, m["module_id"])
         called = bool(s.module_series(0, m["module_id"])["step"])        # a ModuleList is never called
         assert detail.state["module_id"] == m["module_id"] and detail.state["has_data"] == called, m["path"]
         assert detail.state["last"] == (STEPS - 1 if called else None)
-    assert findings_page.finding_list(s.findings(active=None), ["error", "warning", "info"])
-    report = build_report(s)
+    assert findings_page.finding_list(run.folded_findings(active=None), ["error", "warning", "info"])
+    report = build_report(run)
     assert ov["run_name"] in report and "<script src" not in report
 
 
@@ -431,7 +501,8 @@ def test_every_public_query_is_exercised_here():
     queries = {name for name, member in inspect.getmembers(Store) if not name.startswith("_") and callable(member)}
     functions = {name for name, member in inspect.getmembers(data_module, inspect.isfunction)
                  if member.__module__ == data_module.__name__ and not name.startswith("_")}
-    not_queries = {"one_line", "check_header", "severity_rank", "liveness", "process_alive"}
+    not_queries = {"one_line", "check_header", "severity_rank", "liveness", "process_alive", "duration_text",
+                   "status_text"}
     assert {"findings", "module_series", "compare_stores", "resolve_store_path"} <= queries | functions
     missing = sorted(n for n in (queries | functions) - not_queries if f"{n}(" not in source)
     assert not missing, f"not exercised against a real store: {missing}"

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import socket
 import sqlite3
 import time
+import zlib
 from pathlib import Path
 
 from probes import schema
@@ -41,30 +44,41 @@ class SynthStore:
     """A store being written like probes would write it: WAL mode, one commit per step."""
 
     def __init__(self, path: Path, *, run_name: str = "synthetic", model_class: str = "Classifier",
-                 rank: int = 0, seed: int = 0):
+                 rank: int = 0, seed: int = 0, run_id: str | None = None, world_size: int = 1,
+                 hostname: str | None = None, pid: int = 1, journal: str = "wal", created_at: float | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
+        self.world_size = world_size
         self.rng = random.Random(seed)
         self.conn = sqlite3.connect(str(self.path), check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute(f"PRAGMA journal_mode={'WAL' if journal == 'wal' else 'DELETE'}")
         self.conn.executescript(schema.DDL)
         self.conn.execute(f"PRAGMA user_version={schema.SCHEMA_VERSION}")
-        now = time.time()
-        for k, v in {"schema_version": schema.SCHEMA_VERSION, "run_name": run_name,
-                     "hist_edges": HIST_EDGES, "created_at": now}.items():
+        now = time.time() if created_at is None else created_at
+        hostname = socket.gethostname() if hostname is None else hostname    # pid 1 lives on every host
+        meta = {"schema_version": schema.SCHEMA_VERSION, "run_name": run_name, "hist_edges": HIST_EDGES,
+                "created_at": now, "world_size": world_size, "journal_mode": journal}
+        if run_id is not None:
+            meta["run_id"] = run_id
+        for k, v in meta.items():
             self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v)))
         self.conn.execute(
             "INSERT OR REPLACE INTO ranks (rank, world_size, hostname, pid, model_class, torch_version, "
             "python_version, device, sampling, started_at, updated_at, status, step, samples_written, "
-            "samples_dropped, probe_errors, overhead) VALUES (?, 1, 'host', 1, ?, '2.13.0', '3.11', 'cpu', "
+            "samples_dropped, probe_errors, overhead) VALUES (?, ?, ?, ?, ?, '2.13.0', '3.11', 'cpu', "
             "?, ?, ?, 'running', NULL, 0, 0, 0, 0.004)",
-            (rank, model_class, json.dumps({"every": 1, "overhead": None, "window": 20}), now, now))
+            (rank, world_size, hostname, pid, model_class, json.dumps({"every": 1, "overhead": None, "window": 20}),
+             now, now))
         self.conn.commit()
         self.modules: list[dict] = []
         self.params: list[dict] = []
         self.step = -1
         self.loss = 0.7
+        self.step_ms = 3.0                 # every step's wall time (a straggler's is larger)
+        # tensor path -> (first step, offset): from that step on this rank's copy of the tensor differs
+        # (its fingerprint and data norm), as an in-place change on one rank makes it
+        self.diverge: dict[str, tuple[int, float]] = {}
         # A pool of histogram rows (drawing 200 samples per module per step is slow at 10k modules).
         self._hists = {relu: [json.dumps(_hist(self.rng, 0.2 + 0.1 * i, relu)) for i in range(12)]
                        for relu in (True, False)}
@@ -96,7 +110,8 @@ class SynthStore:
         pid = len(self.params)
         numel = math.prod(shape)
         registered = kind in ("parameter", "buffer")
-        self.params.append({"param_id": pid, "module_id": module_id, "moved": moved})
+        self.params.append({"param_id": pid, "module_id": module_id, "moved": moved, "path": path,
+                            "grads": requires_grad and kind != "buffer"})
         self.conn.execute(
             "INSERT INTO params (rank, param_id, path, module_id, name, shape, numel, dtype, device, kind, "
             "requires_grad, registered, is_parameter, in_state_dict, in_optimizer, opt_index, opt_group, lr, "
@@ -109,13 +124,13 @@ class SynthStore:
 
     def add_finding(self, code: str, path: str, severity: str, module_id: int | None, message: str,
                     fix: str = "", evidence: dict | None = None, active: int = 1, *, count: int = 1,
-                    cause: tuple[str, str] | None = None) -> None:
+                    cause: tuple[str, str] | None = None, first_step: int = 0, last_step: int | None = None) -> None:
         self.conn.execute(
             "INSERT OR REPLACE INTO findings (rank, code, path, severity, module_id, message, fix, evidence, "
             "first_step, last_step, active, count, cause_code, cause_path) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)",
-            (self.rank, code, path, severity, module_id, message, fix, json.dumps(evidence or {}),
-             max(self.step, 0), active, count, *(cause or (None, None))))
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (self.rank, code, path, severity, module_id, message, fix, json.dumps(evidence or {}), first_step,
+             max(self.step, 0) if last_step is None else last_step, active, count, *(cause or (None, None))))
         self.conn.commit()
 
     def set_rank(self, **columns: object) -> None:
@@ -136,7 +151,7 @@ class SynthStore:
             self.loss = max(0.02, self.loss * 0.985 + self.rng.uniform(-0.01, 0.01))
             self.conn.execute("INSERT INTO steps (rank, step, wall_time, loss, step_ms, probe_ms, sampled) "
                               "VALUES (?, ?, ?, ?, ?, ?, 1)",
-                              (self.rank, s, time.time(), self.loss, 3.0, 0.01))
+                              (self.rank, s, time.time(), self.loss, self.step_ms, 0.01))
             rows = []
             for m in mods:
                 scale = 0.5 + 0.3 * math.sin(s / 15 + m["module_id"])
@@ -148,15 +163,32 @@ class SynthStore:
                 "INSERT INTO module_stats (rank, module_id, step, calls, numel, mean, std, absmax, zero_frac, "
                 "dead_frac, sat_frac, nonfinite, out_grad_norm, training, grad_enabled, hist) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            prow = [(self.rank, p["param_id"], s, 0.05 * (1 + 0.3 * math.sin(s / 7)), 4.0,
-                     0.0 if p["moved"] == 0 else 0.004, 0.0 if p["moved"] == 0 else 0.001)
-                    for p in self.params]
+            prow = [(self.rank, p["param_id"], s, *self.tensor_values(p, s)) for p in self.params]
             self.conn.executemany("INSERT INTO param_stats (rank, param_id, step, grad_norm, data_norm, update_norm, "
-                                  "update_ratio) VALUES (?, ?, ?, ?, ?, ?, ?)", prow)
+                                  "update_ratio, local_grad_norm, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                  prow)
             self.conn.execute("UPDATE ranks SET step = ?, samples_written = samples_written + 1, "
                               "updated_at = ? WHERE rank = ?", (s, time.time(), self.rank))
             self.conn.commit()
         return self.step
+
+    def tensor_values(self, p: dict, s: int) -> tuple:
+        """(grad_norm, data_norm, update_norm, update_ratio, local_grad_norm, fingerprint) of a tensor at
+        step ``s``: the replicated values (data norm, fingerprint) are the same on every rank unless the
+        tensor diverges here; the local gradient norm is this rank's own."""
+        base = zlib.crc32(p["path"].encode()) % 1000 / 1000.0
+        data_norm = 4.0 + base - 0.001 * s
+        fingerprint = base * 3.0 - 1.0 + 0.0005 * s
+        div = self.diverge.get(p["path"])
+        if div is not None and s >= div[0]:
+            data_norm += div[1]
+            fingerprint += div[1]
+        grads = p.get("grads", True)
+        grad = 0.05 * (1 + 0.3 * math.sin(s / 7)) if grads else None
+        local = ((0.05 + 0.01 * self.rank) * (1 + 0.3 * math.sin(s / 7))
+                 if grads and self.world_size > 1 else None)
+        moved = p["moved"] != 0 and grads
+        return (grad, data_norm, 0.004 if moved else 0.0, 0.001 if moved else 0.0, local, fingerprint)
 
     def close(self, status: str = "closed") -> None:
         self.conn.execute("UPDATE ranks SET status = ?, closed_at = ? WHERE rank = ?",
@@ -274,3 +306,92 @@ def as_version_1(path: Path) -> Path:
     finally:
         conn.close()
     return path
+
+
+# -- distributed jobs: one store per rank ---------------------------------------------------------------------
+def demo_model(st: SynthStore, *, buffers: bool = True) -> dict[str, int]:
+    """The demo classifier's registered version (stem, encoder.blocks.0-2, head) with a BatchNorm-like
+    buffer on the stem: the module ids by path."""
+    width = 16
+    ids = {"": st.add_module("", None, "", "Classifier", params=898)}
+    ids["stem"] = st.add_module("stem", ids[""], "stem", "Linear", params=48)
+    st.add_param(ids["stem"], "stem.weight", "weight", [width, 2])
+    st.add_param(ids["stem"], "stem.bias", "bias", [width])
+    if buffers:
+        st.add_param(ids["stem"], "stem.running_mean", "running_mean", [width], kind="buffer", requires_grad=False,
+                     in_optimizer=False)
+    ids["encoder"] = st.add_module("encoder", ids[""], "encoder", "Encoder", params=816)
+    ids["encoder.blocks"] = st.add_module("encoder.blocks", ids["encoder"], "blocks", "ModuleList", params=816)
+    for i in range(3):
+        path = f"encoder.blocks.{i}"
+        ids[path] = st.add_module(path, ids["encoder.blocks"], str(i), "Linear", params=272)
+        st.add_param(ids[path], f"{path}.weight", "weight", [width, width])
+        st.add_param(ids[path], f"{path}.bias", "bias", [width])
+    ids["head"] = st.add_module("head", ids[""], "head", "Linear", params=34, relu=False)
+    st.add_param(ids["head"], "head.weight", "weight", [2, width])
+    st.add_param(ids["head"], "head.bias", "bias", [2])
+    st.commit()
+    return ids
+
+
+def rank_run(run_dir: Path, run_id: str = "job1", world_size: int = 4, steps: int = 12, *,
+             run_name: str = "ddp", diverge: dict[int, dict[str, tuple[int, float]]] | None = None,
+             step_ms: dict[int, float] | None = None, hostname: str | None = None, pids: dict[int, int] | None = None,
+             close: bool = True, journal: str = "wal", created_at: float | None = None) -> list[SynthStore]:
+    """The stores of one distributed run: ``modscope-<run_id>-rank<R>.sqlite`` for every rank, each
+    written like its own writer would (every rank samples the same steps). ``diverge[rank][path] =
+    (step, offset)``: that rank's copy of the tensor differs from that step on; ``step_ms[rank]``: that
+    rank's step time (3 ms otherwise). Returns the writers (open unless ``close``)."""
+    run_dir = Path(run_dir)
+    out = []
+    for rank in range(world_size):
+        st = SynthStore(run_dir / schema.store_filename(run_id, rank), run_name=run_name, rank=rank, seed=rank,
+                        run_id=run_id, world_size=world_size, hostname=hostname,
+                        pid=(pids or {}).get(rank, 1), journal=journal, created_at=created_at)
+        demo_model(st)
+        st.diverge = dict((diverge or {}).get(rank, {}))
+        st.step_ms = (step_ms or {}).get(rank, 3.0)
+        st.add_steps(steps)
+        if close:
+            st.close()
+        out.append(st)
+    return out
+
+
+def several_runs(run_dir: Path, run_ids: tuple[str, ...] = ("aaa", "bbb"), world_size: int = 2,
+                 steps: int = 5) -> dict[str, list[Path]]:
+    """Runs written one after the other into one directory (each ``watch()`` is a run of its own): the
+    last is the newest (its files have the largest modification time). Run k is named ``train-k``
+    and has ``steps + k`` steps."""
+    out = {}
+    t0 = time.time() - 100 * len(run_ids)
+    for k, run_id in enumerate(run_ids):
+        rank_run(run_dir, run_id, world_size, steps + k, run_name=f"train-{k}", created_at=t0 + 100 * k)
+        files = [run_dir / schema.store_filename(run_id, r) for r in range(world_size)]
+        for f in files:
+            os.utime(f, (t0 + 100 * k, t0 + 100 * k))
+        out[run_id] = files
+    return out
+
+
+def three_layers(path: Path, *, steps: int = 41) -> SynthStore:
+    """Three Linear layers kept in a plain list: 15 findings, of which 3 root causes
+    (unregistered-module at encoder.blocks[i]) each explaining 4 consequences (not-updating and
+    grad-accumulating of its weight and bias), seen 12 times between steps 3 and 40."""
+    st = demo(path, steps=0, live=True, run_name="three-layers")
+    st.conn.execute("DELETE FROM findings")
+    st.conn.commit()
+    for i in range(3):
+        blk = f"encoder.blocks[{i}]"
+        mid = next(m["module_id"] for m in st.modules if m["path"] == blk)
+        st.add_finding("unregistered-module", blk, "error", mid, UNREG_MSG.replace("[0]", f"[{i}]"), UNREG_FIX,
+                       {"container": "list"}, count=12, first_step=3, last_step=40)
+        for name in ("weight", "bias"):
+            st.add_finding("not-updating", f"{blk}.{name}", "error", mid, f"{blk}.{name} never changes.",
+                           UNREG_FIX, count=12, cause=("unregistered-module", blk), first_step=3, last_step=40)
+            st.add_finding("grad-accumulating", f"{blk}.{name}", "warning", mid,
+                           f"{blk}.{name}.grad is never zeroed.", UNREG_FIX, count=12,
+                           cause=("unregistered-module", blk), first_step=3, last_step=40)
+    st.add_steps(steps)
+    st.close()
+    return st

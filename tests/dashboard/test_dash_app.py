@@ -21,6 +21,7 @@ from dashboard.pages import findings as findings_page
 from dashboard.pages import modules as modules_page
 from dashboard.pages import overview as overview_page
 from dashboard.report import build_report
+from dashboard.run import RunDir
 from dashboard.security import is_loopback
 from dashboard.server import AppConfig, create_app
 from probes import schema
@@ -241,7 +242,7 @@ def test_live_detail_update_extends_or_redraws(tmp_path):
     (Patch); while its grad panel is still a placeholder (no gradients yet) it is drawn whole instead."""
     from dash import Patch
     st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
-    s = Store.open_run(tmp_path)
+    s = RunDir.from_store(Store.open_run(tmp_path)).run()
     full = modules_page.detail_full(s, 0, 1)
     assert full.state["last"] == 4 and full.state["has_grad"]
     st.add_steps(2)

@@ -129,7 +129,8 @@ def test_histograms_and_params(before):
     assert [p["name"] for p in params] == ["weight", "bias"]
     assert params[0]["shape"] == [16, 16] and params[0]["in_optimizer"] == 0 and params[0]["moved"] == 0
     assert params[0]["grad_norm"] is not None and params[0]["kind"] == "tensor"
-    assert params[0]["local_grad_norm"] is None and params[0]["fingerprint"] is None   # v2 columns, unwritten
+    # v2 columns: a fingerprint at every sampled step; a local gradient norm only in a run of several ranks
+    assert params[0]["local_grad_norm"] is None and params[0]["fingerprint"] is not None
 
 
 def test_state_dict_keys_and_compare(before, after):
@@ -199,7 +200,10 @@ def test_resolve_store_path_picks_the_newest_runs_lowest_rank(tmp_path):
     assert resolve_store_path(tmp_path) == new                   # the newest run, its lowest rank
     os.utime(old, (3000, 3000))
     assert resolve_store_path(tmp_path) == old
-    Path(str(new) + "-wal").write_bytes(b"")                     # a commit to run bbb's WAL makes it the newest
+    Path(str(new) + "-wal").write_bytes(b"")                     # an empty -wal (a reader opened it): no commit
+    os.utime(Path(str(new) + "-wal"), (4000, 4000))
+    assert resolve_store_path(tmp_path) == old
+    Path(str(new) + "-wal").write_bytes(b"\x37" * 32)            # a commit to run bbb's WAL makes it the newest
     os.utime(Path(str(new) + "-wal"), (4000, 4000))
     assert resolve_store_path(tmp_path) == new
     tie = tmp_path / "tie"

@@ -39,7 +39,8 @@ def texts(components) -> list[str]:
 def test_app_config_names_the_bad_value(demo):
     with pytest.raises(ValueError, match=r"^mode 'watch' is not one of live, review, compare$"):
         AppConfig(mode="watch", store=demo)
-    with pytest.raises(TypeError, match=r"^store must be a dashboard\.data\.Store, got None$"):
+    with pytest.raises(TypeError, match=r"^store must be a dashboard\.data\.Store or a dashboard\.run\.RunDir, "
+                                         r"got None$"):
         AppConfig(mode="review", store=None)
     with pytest.raises(TypeError, match=r"^mode 'compare' needs a second store"):
         AppConfig(mode="compare", store=demo)
@@ -147,14 +148,14 @@ def test_tick_round_trips_through_plain_data():
     data = tick.to_data()
     assert data["structure"] == [7, 6, 6, 1, 2, 3] and data["n"] == 3
     again = Tick.from_data(data)
-    assert again == tick and again.same_content(Tick(**{**data, "structure": tick.structure, "n": 9}))
+    assert again == tick and again.same_content(Tick.from_data({**data, "n": 9}))
     assert Tick.from_data(None) == Tick() and Tick.from_data({"ready": True, "bogus": 1}).ready
     assert not tick.same_content(Tick(ready=True, last_step=5, structure=tick.structure, status="running"))
 
 
 def test_duration_text():
-    assert [duration_text(s) for s in (120, 605, 3600, 3660, 86400 + 7200, 86400)] == \
-        ["2 min", "10 min", "1 h", "1 h 1 min", "1 d 2 h", "1 d"]
+    assert [duration_text(s) for s in (40, 120, 605, 3600, 3660, 86400 + 7200, 86400)] == \
+        ["40 s", "2 min", "10 min", "1 h", "1 h 1 min", "1 d 2 h", "1 d"]
 
 
 # -- the guard of every store-reading callback ----------------------------------------------------------
@@ -217,17 +218,27 @@ def test_one_badge_rule_everywhere(demo):
 def test_clicks_toggle_expand_and_open(demo):
     root, enc = demo.root(), demo.module_by_path(0, "encoder")
     blk = demo.module_by_path(0, "encoder.blocks[1]")
-    exp, path = modules_page.handle_click(demo, {"action": "toggle", "id": str(enc["module_id"])}, [0], 0)
-    assert exp == [0, enc["module_id"]] and path is no_update
-    exp, _ = modules_page.handle_click(demo, {"action": "toggle", "id": enc["module_id"]}, exp, 0)
-    assert exp == [0]
-    exp, path = modules_page.handle_click(demo, {"action": "open", "id": blk["module_id"]}, [root["module_id"]], 0)
-    assert exp == [root["module_id"], enc["module_id"]] and path == "/modules"
-    exp, path = modules_page.handle_click(demo, {"action": "select", "id": blk["module_id"]}, exp, 0)
+    view = ["r1", 0]
+
+    def tagged(ids_):
+        return {"view": view, "ids": ids_}
+    exp, path = modules_page.handle_click(demo, {"action": "toggle", "id": str(enc["module_id"])}, tagged([0]), 0,
+                                          view)
+    assert exp == tagged([0, enc["module_id"]]) and path is no_update
+    exp, _ = modules_page.handle_click(demo, {"action": "toggle", "id": enc["module_id"]}, exp, 0, view)
+    assert exp == tagged([0])
+    exp, path = modules_page.handle_click(demo, {"action": "open", "id": blk["module_id"]},
+                                          tagged([root["module_id"]]), 0, view)
+    assert exp == tagged([root["module_id"], enc["module_id"]]) and path == "/modules"
+    exp, path = modules_page.handle_click(demo, {"action": "select", "id": blk["module_id"]}, exp, 0, view)
     assert exp is no_update and path is no_update              # its ancestors are open already
+    # nodes expanded in another run or rank (other module ids) are not reused: this view's default instead
+    exp, _ = modules_page.handle_click(demo, {"action": "toggle", "id": enc["module_id"]},
+                                       {"view": ["another-run", 0], "ids": [0, 1, 2, 3]}, 0, view)
+    assert exp == tagged([m for m in demo.default_expanded(0) if m != enc["module_id"]])
     for bad in (None, {"action": "explode", "id": 1}, {"action": "open", "id": "x"}, {"action": "open", "id": -1}):
         with pytest.raises(PreventUpdate):
-            modules_page.handle_click(demo, bad, [0], 0)
+            modules_page.handle_click(demo, bad, tagged([0]), 0, view)
 
 
 # -- plotly.js: the cartesian bundle replaces Dash's only when it is the same version ------------------------

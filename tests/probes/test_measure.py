@@ -234,3 +234,35 @@ def test_calls_of_one_module_fold_their_unit_activity():
     dead = M.CALL_FIELDS.index("dead_frac")
     assert values[sa][dead] == values[sb][dead] == pytest.approx(1 / 3)
     assert values[other][dead] == 1.0
+
+
+@pytest.mark.parametrize("scalar_reads_free", [True, False], ids=["cpu", "nan-forces-the-count"])
+def test_small_outputs_reduced_at_the_end_match_the_in_hook_chunks(scalar_reads_free):
+    """Small outputs are copied in the hook and reduced together at the end of the step: every row must
+    equal what call_chunk's in-hook reductions give, for every layout, twice (the second step reuses the
+    cached plan with new values)."""
+    torch.manual_seed(0)
+    for step in range(2):
+        calls = [(torch.randn(2, 6, 4, 4) * 2 + 1, 1, None, "conv"),
+                 (torch.randn(2, 7, 12).relu(), 2, "tanh", "seq"),
+                 (torch.randn(30), 0, None, "vector"),
+                 (torch.tensor(3.5), 0, None, "scalar"),
+                 (torch.randn(16, 8).half(), 1, None, "half"),
+                 (torch.rand(5, 9), 1, "sigmoid", "probabilities")]
+        calls[1][0][:, :, :3] = 0                                   # 3 of 12 units silent
+        if not scalar_reads_free:
+            calls[2][0][5] = float("nan")                           # the batch then counts NaN/Inf per call
+        batched, direct = M.StepMeasurements(), M.StepMeasurements()
+        pairs = []
+        for x, udim, sat, key in calls:
+            pairs.append((batched.add_small_call(x, udim, sat, key),
+                          direct.add_call(*M.call_chunk(x, [], udim, sat), key=key), key))
+        got, want = batched.fetch(M.UnitActivity(16), step), direct.fetch(M.UnitActivity(16), step)
+        for b, d, key in pairs:
+            k = len(M.CALL_FIELDS)
+            assert got[b][k:] == want[d][k:], key                    # the same histogram sample
+            for name, g, w in zip(M.CALL_FIELDS, got[b][:k], want[d][:k], strict=True):
+                if isinstance(w, float) and math.isnan(w):
+                    assert math.isnan(g), (key, name)
+                else:
+                    assert g == pytest.approx(w, rel=1e-5, abs=1e-6), (key, name)

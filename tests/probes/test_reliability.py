@@ -95,7 +95,9 @@ def test_losses_bit_identical_with_and_without_watch(make, batch, loss_fn, every
 def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure")
-    monkeypatch.setattr(measure, "call_chunk", boom)
+    from probes import batch
+    monkeypatch.setattr(measure, "call_chunk", boom)       # large outputs
+    monkeypatch.setattr(batch, "keep", boom)               # small outputs
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
@@ -305,7 +307,7 @@ def test_failure_while_finishing_a_sample_still_ends_the_step(run_dir, monkeypat
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
         from probes import decode
-        monkeypatch.setattr(decode, "module_samples", lambda *a: 1 / 0)
+        monkeypatch.setattr(decode, "module_columns", lambda *a: 1 / 0)
         train(model, opt, w, 4, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
         assert w.step_count == 4
         assert w.probe_errors[("finish-sample", "ZeroDivisionError")]["count"] == 2
@@ -399,3 +401,38 @@ def test_external_boundaries_follow_the_integration_not_the_optimizer(run_dir):
 def test_boundaries_must_be_known(run_dir):
     with pytest.raises(ValueError, match="boundaries must be one of .* got 'closure'"):
         probes.watch(zoo.MLP(), run_dir=run_dir, boundaries="closure")
+
+
+class Fill(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        return torch.full_like(x, self.value)
+
+
+class ReusedMemory(nn.Module):
+    """Two modules whose outputs are fresh tensors of one shape, the first freed before the second is made:
+    the second usually lands at the first one's address (and has its id and version)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Fill(1.0), Fill(2.0)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        a = self.first(x).sum()
+        b = self.second(x).sum()
+        return self.fc(x) + (a + b) * 0
+
+
+def test_an_output_at_a_freed_outputs_address_is_measured_on_its_own(run_dir):
+    model = ReusedMemory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 3, lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,))))
+    con = sqlite3.connect(w.store_path)
+    means = dict(con.execute("SELECT m.path, AVG(s.mean) FROM module_stats s JOIN modules m USING (rank, module_id) "
+                             "WHERE m.path IN ('first', 'second') GROUP BY m.path").fetchall())
+    assert means == {"first": 1.0, "second": 2.0}

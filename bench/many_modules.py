@@ -1,0 +1,168 @@
+"""Models made of many small modules: the host cost of a sampled step per module call, and the cost of
+the start of a run under the default budget.
+
+    python bench/many_modules.py                          # 1,000 and 5,000 residual blocks
+    python bench/many_modules.py --blocks 5000 --start 200,2000
+
+Each block is a residual Linear(16, 16) + ReLU (3 modules: 5,000 blocks are 15,001 modules). Prints, side
+by side in one run:
+- per-call host time of a sampled step: (median sampled-step time - median bare-step time) / module calls
+  (every=1 against bare, interleaved), and modscope's own accounting (probe_ms / calls);
+- the start of a run: total time of the first N steps with the default budget against bare (fresh
+  models and watchers, same seed), and the first step at which each expected finding appeared.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import probes  # noqa: E402
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x))
+
+
+class Deep(nn.Module):
+    """``blocks`` residual blocks, and one more kept in a plain list (a bug the run must find)."""
+
+    def __init__(self, blocks: int, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Residual(width) for _ in range(blocks)])
+        self.extra = [Residual(width)]              # unregistered: findings must appear early
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.extra[0](self.blocks(x)))
+
+
+def make(blocks: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Deep(blocks)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 2, (8,), generator=g)
+    return model, opt, x, y
+
+
+def one_step(model, opt, x, y, w=None) -> float:
+    t0 = time.perf_counter()
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if w is not None:
+        w.step(loss)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def module_calls(model: nn.Module, x: torch.Tensor) -> int:
+    calls = 0
+
+    def count(*_):
+        nonlocal calls
+        calls += 1
+    h = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        h.remove()
+    return calls
+
+
+def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
+    bare = make(blocks)
+    watched = make(blocks)
+    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"every1-{blocks}", every=1)
+    calls = module_calls(bare[0], bare[2])
+    for _ in range(3):                               # warm both
+        one_step(*bare)
+        one_step(*watched, w=w)
+    t_bare, t_watched = [], []
+    for _ in range(rounds):
+        t_bare.append(one_step(*bare))
+        t_watched.append(one_step(*watched, w=w))
+    w._writer.flush()
+    import sqlite3
+    con = sqlite3.connect(w.store_path)
+    probe = [r[0] for r in con.execute("SELECT probe_ms FROM steps WHERE step >= 3 AND probe_ms IS NOT NULL")]
+    con.close()
+    w.close()
+    extra = statistics.median(t_watched) - statistics.median(t_bare)
+    return {"blocks": blocks, "modules": sum(1 for _ in bare[0].modules()) + 3, "calls": calls,
+            "bare_ms": statistics.median(t_bare), "sampled_ms": statistics.median(t_watched),
+            "per_call_us": extra / calls * 1e3, "self_per_call_us": statistics.median(probe) / calls * 1e3}
+
+
+def start_of_run(blocks: int, steps: int, workdir: Path) -> dict:
+    bare = make(blocks)
+    watched = make(blocks)
+    for _ in range(2):                               # warm the allocator and the kernels of both copies
+        one_step(*bare)
+    t_bare = sum(one_step(*bare) for _ in range(steps))
+    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"default-{blocks}-{steps}")
+    first_seen: dict[str, int] = {}
+    t_watched = 0.0
+    for step in range(steps):
+        t_watched += one_step(*watched, w=w)
+        if len(first_seen) < 2 and step < 64:
+            for f in w.findings():
+                first_seen.setdefault(f.code, step)
+    import sqlite3
+    w._writer.flush()
+    con = sqlite3.connect(w.store_path)
+    sampled = con.execute("SELECT COUNT(*) FROM steps WHERE sampled = 1").fetchone()[0]
+    con.close()
+    w.close()
+    return {"blocks": blocks, "steps": steps, "bare_ms": t_bare, "watched_ms": t_watched,
+            "overhead": t_watched / t_bare - 1, "sampled_steps": sampled, "first_seen": first_seen}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", default="1000,5000", help="comma list of block counts")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved sampled/bare step pairs")
+    ap.add_argument("--start", default="200,2000", help="comma list of run lengths for the start-of-run cost")
+    ap.add_argument("--start-blocks", type=int, default=5000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the results as JSON to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out: dict = {"torch": torch.__version__, "threads": args.threads, "per_call": [], "start": []}
+    with tempfile.TemporaryDirectory(prefix="modscope-bench-") as d:
+        for blocks in (int(b) for b in args.blocks.split(",") if b):
+            r = per_call(blocks, args.rounds, Path(d))
+            out["per_call"].append(r)
+            print(f"{r['blocks']:>5} blocks ({r['modules']:,} modules, {r['calls']:,} calls/forward): bare "
+                  f"{r['bare_ms']:.1f} ms, sampled {r['sampled_ms']:.1f} ms -> {r['per_call_us']:.1f} us per call "
+                  f"(self-reported {r['self_per_call_us']:.1f} us)", flush=True)
+        for steps in (int(s) for s in args.start.split(",") if s):
+            r = start_of_run(args.start_blocks, steps, Path(d))
+            out["start"].append(r)
+            print(f"first {steps} steps, {args.start_blocks} blocks, default budget: {r['overhead']:+.1%} over bare "
+                  f"({r['sampled_steps']} sampled); findings first seen at steps {r['first_seen']}", flush=True)
+    if args.json:
+        import json
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

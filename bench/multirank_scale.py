@@ -1,0 +1,359 @@
+"""Multi-rank benchmark (issue 11): the dashboard over one run of 8 ranks of a small model on CPU.
+
+1. The stores: ``torchrun --nproc_per_node=8`` (gloo, CPU) trains a small GPT-style model under
+   DistributedDataParallel for ``--steps`` steps, each rank watched by the real ``probes.watch`` (default
+   sampling budget) into one run directory: one store per rank. With ``--real-ranks K`` (K < 8) only K
+   real processes train and their stores are cloned into the other ranks (rank r is a copy of real rank
+   r mod K, its rank column rewritten); the output says which was done.
+2. The dashboard's first render in a real headless Chromium (``python app.py --run DIR``, live mode):
+   the Overview with its cards, loss curve and the 8-line per-rank table, with the HTTP cache cleared
+   (and once in a freshly started browser); the Findings page (merged over the ranks, with the
+   cross-rank comparison).
+3. The p50/p95 of the ``dashboard.run.Run`` queries over the merged run, each repetition on a fresh
+   ``RunDir`` (no cache, new connections: what a request thread of the server pays first).
+4. The store size per rank per 10,000 steps: the size of the real rank-0 store divided by its steps,
+   times 10,000 (a linear extrapolation, stated as such: the writer's thinning keeps longer runs
+   smaller, and the run's first steps are sampled densely).
+
+    python bench/multirank_scale.py                   # 8 real ranks, 300 steps
+    python bench/multirank_scale.py --real-ranks 2    # 2 real ranks cloned to 8 (a machine with few cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "browser")]
+
+
+# -- the worker (one rank, started by torchrun) -----------------------------------------------------------
+def worker(run_dir: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from models import GPT
+    from torch import nn
+
+    import probes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(GPT(vocab=128, d=64, layers=2, heads=4, block=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(100 + rank)
+    try:
+        with probes.watch(model, opt, run_dir=run_dir) as w:
+            for _ in range(steps):
+                x = torch.randint(0, 128, (4, 32), generator=g)
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.roll(-1, 1).reshape(-1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the stores ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def train(run_dir: Path, nproc: int, steps: int) -> float:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=static", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--steps", str(steps)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def clone_ranks(run_dir: Path, real: int, total: int) -> None:
+    """Copy real rank r mod ``real`` into rank r for r in [real, total), rank column and world size rewritten."""
+    from probes import schema
+
+    [run_id] = {schema.parse_store_filename(p.name).run_id for p in run_dir.glob("modscope-*-rank*.sqlite")}
+    for r in range(real, total):
+        src = run_dir / schema.store_filename(run_id, r % real)
+        dst = run_dir / schema.store_filename(run_id, r)
+        shutil.copyfile(src, dst)
+        conn = sqlite3.connect(str(dst))
+        try:
+            for table in schema.TABLES:
+                if table != "meta":
+                    conn.execute(f"UPDATE {table} SET rank = ?", (r,))
+            conn.execute("UPDATE ranks SET world_size = ?", (total,))
+            conn.execute("UPDATE meta SET value = ? WHERE key IN ('world_size', 'rank_count')", (json.dumps(total),))
+            conn.commit()
+        finally:
+            conn.close()
+    for r in range(real):
+        conn = sqlite3.connect(str(run_dir / schema.store_filename(run_id, r)))
+        try:
+            conn.execute("UPDATE ranks SET world_size = ?", (total,))
+            conn.commit()
+        finally:
+            conn.close()
+
+
+# -- measuring -----------------------------------------------------------------------------------------------
+PER_SAMPLE = ("module_stats", "param_stats", "module_stats_by_step", "param_stats_by_step")
+
+
+def size_breakdown(path: Path) -> dict[str, Any]:
+    """Where a real rank store's bytes are (SQLite's dbstat, whole pages): the statistics of sampled
+    steps, the per-step rows, and the rest (schema, tree, findings); per sampled step and per step."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
+        steps, sampled = conn.execute("SELECT COUNT(*), SUM(sampled) FROM steps").fetchone()
+        last_two = [r[0] for r in conn.execute("SELECT step FROM steps WHERE sampled = 1 ORDER BY step DESC LIMIT 2")]
+    finally:
+        conn.close()
+    per_sample = sum(tables.get(t, 0) for t in PER_SAMPLE)
+    per_step = tables.get("steps", 0)
+    fixed = sum(tables.values()) - per_sample - per_step
+    interval = last_two[0] - last_two[1] if len(last_two) == 2 else 1
+    b_sample, b_step = per_sample / max(1, sampled), per_step / max(1, steps)
+
+    def mb(n_steps: int, every: int) -> float:
+        return round((fixed + n_steps * b_step + n_steps / every * b_sample) / 2**20, 1)
+    return {"fixed_bytes": fixed, "bytes_per_sampled_step": round(b_sample), "bytes_per_step": round(b_step),
+            "sampling_interval_at_end": interval,
+            "mb_per_10k_steps_at_that_interval": mb(10_000, interval), "mb_per_10k_steps_every_1": mb(10_000, 1)}
+
+def pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
+
+
+def query_times(run_dir: Path, repeat: int) -> dict[str, list[float]]:
+    """ms per Run query, each repetition on a fresh RunDir (no cached results, new connections)."""
+    from dashboard.run import RunDir
+
+    probe = RunDir.open(run_dir).run()
+    rank0 = probe.at(0)
+    module = next(m for m in rank0.all_modules(0) if m["params_total"] and m["n_children"] == 0)
+    queries: dict[str, Callable[[Any], Any]] = {
+        "poll (ranks, change signature, health)": lambda run: (run.ranks(), run.change_signature(0), run.health()),
+        "overview (rank 0, merged root causes)": lambda run: run.overview(0),
+        "per-rank table (8 ranks)": lambda run: run.rank_rows(),
+        "findings merged (8 ranks + cross-rank)": lambda run: run.findings_merged(active=None),
+        "cross-rank comparison (divergence, stragglers)": lambda run: run.cross_rank_findings(),
+        "module detail: local grad norms (8 ranks)": lambda run: run.local_grad_norms(0, module["module_id"]),
+        "module detail: series (rank 0)": lambda run: run.at(0).module_series(0, module["module_id"], max_points=600),
+        "snapshot of the run (8 files -> 1)": lambda run: run.snapshot_bytes(),
+    }
+    out: dict[str, list[float]] = {name: [] for name in queries}
+    for _ in range(repeat):
+        for name, q in queries.items():
+            run = RunDir.open(run_dir, crossrank_interval_s=0.0).run()
+            t0 = time.perf_counter()
+            q(run)
+            out[name].append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+class RSSSampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        import psutil
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+        while not self.stop.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+
+def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
+    from browser_helpers import CHROMEDRIVER, CHROMIUM
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    port = free_port()
+    log = open(run_dir.parent / "dashboard.log", "w")  # noqa: SIM115  (closed below)
+    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--run", str(run_dir), "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit(f"dashboard did not start, see {run_dir.parent / 'dashboard.log'}") from None
+            time.sleep(0.2)
+    rss = RSSSampler(server.pid)
+    rss.start()
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1500,1000",
+              f"--user-data-dir={tempfile.mkdtemp(prefix='modscope-bench-chrome-')}"):
+        opts.add_argument(a)
+    opts.binary_location = CHROMIUM
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+    def until(js: str, timeout: float = 60.0) -> None:
+        driver.set_script_timeout(timeout)
+        ok = driver.execute_async_script(
+            "const done = arguments[arguments.length - 1]; const f = new Function('return (' + arguments[0] + ');');"
+            "const t = setInterval(() => { let v = false; try { v = f(); } catch (e) {}"
+            " if (v) { clearInterval(t); done(true); } }, 5);", js)
+        if not ok:
+            raise RuntimeError(f"never true: {js}")
+
+    def load(page: str, ready: str, cold: bool) -> float:
+        if cold:
+            driver.get("about:blank")
+            driver.execute_cdp_cmd("Network.clearBrowserCache", {})
+        t0 = time.perf_counter()
+        driver.get(url + page)
+        until(ready)
+        return time.perf_counter() - t0
+
+    overview_ready = ("document.querySelectorAll('#ov-ranks tbody tr').length === 8"
+                      " && document.querySelector('#ov-cards').innerText.includes('GPT')"
+                      " && document.querySelector('#ov-loss .scatterlayer .trace')")
+    findings_ready = ("document.querySelector('#findings-list .finding, #findings-list .message')"
+                      " && !document.querySelector('#findings-list .message.wait')")
+    out: dict[str, Any] = {}
+    try:
+        out["overview_fresh_browser_s"] = load("", overview_ready, cold=False)
+        out["overview_s"] = [load("", overview_ready, cold=True) for _ in range(repeat)]
+        out["findings_s"] = [load("findings", findings_ready, cold=True) for _ in range(repeat)]
+        out["findings_cards"] = driver.execute_script(
+            "return document.querySelectorAll('#findings-list > .finding').length")
+    finally:
+        driver.quit()
+        rss.stop.set()
+        rss.join(1)
+        server.terminate()
+        server.wait(15)
+        log.close()
+    out["dashboard_peak_rss_mb"] = round(rss.peak / 2**20, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--real-ranks", type=int, default=None, help="real processes (default: --ranks); the rest cloned")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=20, help="repetitions of each query (browser loads: a quarter)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.run_dir, args.steps)
+        return 0
+
+    from dashboard.run import RunDir
+
+    real = args.real_ranks or args.ranks
+    base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="modscope-multirank-"))
+    run_dir = base / "run"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    print(f"training: torchrun --nproc_per_node={real}, gloo on CPU, {args.steps} steps, small GPT "
+          f"(2 blocks, d=64), probes.watch with the default budget ...", flush=True)
+    train_s = train(run_dir, real, args.steps)
+    how = f"{real} real ranks" if real == args.ranks else \
+        f"{real} real ranks, cloned to {args.ranks} (rank r = real rank r mod {real})"
+    rank0 = sorted(run_dir.glob("modscope-*-rank0.sqlite"))[0]
+    size0 = rank0.stat().st_size
+    breakdown = size_breakdown(rank0)
+    if real < args.ranks:
+        clone_ranks(run_dir, real, args.ranks)
+    run = RunDir.open(run_dir).run()
+    ranks = run.ranks()
+    store0 = run.at(0)
+    ov = store0.overview(0)
+    n_modules = sum(ov["modules"].values())
+    sampled = ov["samples_stored"]
+    results: dict[str, Any] = {
+        "stores": how, "ranks": ranks, "steps": ov["steps_recorded"], "train_s": round(train_s, 1),
+        "modules": n_modules, "sampled_steps_rank0": sampled,
+        "store_bytes_rank0": size0,
+        "store_mb_per_rank_per_10k_steps_linear": round(size0 / ov["steps_recorded"] * 10_000 / 2**20, 1),
+        "store_breakdown_rank0": breakdown,
+    }
+    print(f"  {how}; {n_modules} modules; {ov['steps_recorded']} steps of which {sampled} sampled on each rank; "
+          f"trained in {train_s:.0f} s", flush=True)
+    print("queries over the merged run ...", flush=True)
+    q = query_times(run_dir, args.repeat)
+    results["queries_ms"] = {k: {"p50": round(statistics.median(v), 1), "p95": round(pct(v, 95), 1),
+                                 "max": round(max(v), 1)} for k, v in q.items()}
+    print("the dashboard in Chromium ...", flush=True)
+    b = browser_times(run_dir, max(3, args.repeat // 4))
+    results["browser"] = {
+        "overview_first_render_s": {"p50": round(statistics.median(b["overview_s"]), 3),
+                                    "max": round(max(b["overview_s"]), 3)},
+        "overview_first_render_fresh_browser_s": round(b["overview_fresh_browser_s"], 3),
+        "findings_first_render_s": {"p50": round(statistics.median(b["findings_s"]), 3),
+                                    "max": round(max(b["findings_s"]), 3)},
+        "findings_cards": b["findings_cards"], "dashboard_peak_rss_mb": b["dashboard_peak_rss_mb"],
+    }
+
+    print(f"\nstores: {how}, {ov['steps_recorded']} steps, {n_modules} modules per rank")
+    print(f"{'query over the merged run (fresh RunDir each time)':52s} {'p50 ms':>8s} {'p95 ms':>8s} {'max ms':>8s}")
+    for k, v in results["queries_ms"].items():
+        print(f"{k:52s} {v['p50']:8.1f} {v['p95']:8.1f} {v['max']:8.1f}")
+    br = results["browser"]
+    print(f"\noverview first render, HTTP cache cleared: median {br['overview_first_render_s']['p50']:.2f} s, "
+          f"max {br['overview_first_render_s']['max']:.2f} s ({len(b['overview_s'])} loads)")
+    print(f"overview first render, freshly started browser: {br['overview_first_render_fresh_browser_s']:.2f} s")
+    print(f"findings page first render: median {br['findings_first_render_s']['p50']:.2f} s, "
+          f"max {br['findings_first_render_s']['max']:.2f} s ({br['findings_cards']} cards)")
+    print(f"dashboard peak RSS: {br['dashboard_peak_rss_mb']} MB")
+    print(f"\nstore size, rank 0: {size0 / 2**20:.2f} MB for {ov['steps_recorded']} steps ({sampled} sampled) -> "
+          f"{results['store_mb_per_rank_per_10k_steps_linear']} MB per rank per 10,000 steps, extrapolated "
+          "linearly (an upper bound: the dense first steps and no thinning at this length)")
+    bd = breakdown
+    print(f"  of it: {bd['bytes_per_sampled_step']:,} bytes per sampled step (module and tensor statistics), "
+          f"{bd['bytes_per_step']:,} bytes per step (the loss curve), {bd['fixed_bytes'] / 1024:.0f} KiB the rest "
+          f"(whole pages); 10,000 steps sampled every {bd['sampling_interval_at_end']} steps (the interval the "
+          f"budget reached) -> {bd['mb_per_10k_steps_at_that_interval']} MB, every step sampled (every=1) -> "
+          f"{bd['mb_per_10k_steps_every_1']} MB (linear, before thinning)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Zero code (``modscope run``) under a framework's Trainer.
+
+:mod:`probes.autowatch` finds a model at an optimizer step. When that step runs inside a Lightning or
+Hugging Face ``Trainer`` (one is on the call stack, stepping that optimizer), :func:`attach` adds the
+matching callback to that Trainer instead of a plain watch: the framework's machinery then says when
+gradients are final and when a step ends (Lightning runs forward and backward inside
+``optimizer.step(closure)``, where the optimizer's own step hooks cannot tell), exactly as with the
+callback passed by hand. Added in the middle of a step, the callback starts at the next batch
+(Lightning: ``on_train_batch_start``) or step (Trainer: ``on_step_begin``).
+
+Only frameworks the script imported are looked for: nothing is imported to look.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["Attached", "attach", "calling_trainer"]
+
+# (module defining the Trainer, framework): only looked up in sys.modules
+_TRAINERS = (("lightning.pytorch.trainer.trainer", "lightning"),
+             ("pytorch_lightning.trainer.trainer", "lightning"),
+             ("transformers.trainer", "transformers"))
+MAX_FRAMES = 200
+
+
+@dataclasses.dataclass
+class Attached:
+    """A framework callback that autowatch added (or found) on a Trainer."""
+
+    callback: Any
+    optimizers: list[torch.optim.Optimizer]      # the torch optimizers that Trainer steps
+
+    @property
+    def watcher(self) -> Any:
+        return self.callback.watcher
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.callback._impl, "model_name", "model"))
+
+
+def calling_trainer() -> tuple[str, Any] | None:
+    """(framework, Trainer) of the innermost Lightning or transformers Trainer on the call stack."""
+    classes = []
+    for module, framework in _TRAINERS:
+        cls = getattr(sys.modules.get(module), "Trainer", None)
+        if isinstance(cls, type):
+            classes.append((cls, framework))
+    if not classes:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        for cls, framework in classes:
+            if issubclass(type(obj), cls):       # type(), not isinstance: proxies compute __class__
+                return framework, obj
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def attach(optimizer: torch.optim.Optimizer, run_dir: str | os.PathLike[str], *, every: int | None,
+           overhead: float) -> Attached | None:
+    """Add the callback to the Trainer that steps ``optimizer`` now, or None when no Trainer does."""
+    found = calling_trainer()
+    if found is None:
+        return None
+    framework, trainer = found
+    if framework == "lightning":
+        from .lightning import ModscopeCallback as LightningCallback
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        callbacks = trainer.callbacks
+        cls: Any = LightningCallback
+    else:
+        from .transformers import ModscopeCallback as TrainerCallback
+        from .transformers import _torch_optimizer
+        optimizers = [_torch_optimizer(trainer.optimizer)] if trainer.optimizer is not None else []
+        callbacks = trainer.callback_handler.callbacks
+        cls = TrainerCallback
+    if not any(o is optimizer for o in optimizers):
+        return None                               # an optimizer of its own, stepped under the Trainer
+    for cb in callbacks:
+        if isinstance(cb, cls):                   # the script passed one already: it watches
+            return Attached(cb, optimizers)
+    cb = cls(run_dir=run_dir, every=every, overhead=overhead)
+    if framework == "lightning":
+        callbacks.append(cb)
+    else:
+        trainer.add_callback(cb)
+    return Attached(cb, optimizers)
