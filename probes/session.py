@@ -7,6 +7,7 @@ it is written again together with whatever the caller says was lost (the tree, t
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import socket
@@ -25,6 +26,11 @@ from .schema import RunStatus, snapshot
 from .store import StoreWriter
 
 HEARTBEAT_S = 5.0             # the store's heartbeat (ranks.updated_at) moves at least this often while training
+# Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older
+# unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
+THIN_RECENT = 1000
+THIN_OLD = 1000
+THIN_EVERY = 250              # sampled steps between thinning passes (run by the writer thread)
 
 
 class StoreSession:
@@ -55,9 +61,19 @@ class StoreSession:
         self._last_counters = 0.0
         self._errors_logged = 0
         self._recoveries_seen = 0
+        self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
+        self._samples = 0
 
     def submit(self, ops: list[Op], droppable: bool = True) -> None:
         self.writer.submit(ops, droppable)
+
+    def sampled(self, step: int) -> None:
+        """A sampled step was stored: now and then, thin the old ones (the writer thread does the work)."""
+        self._recent_samples.append(step)
+        self._samples += 1
+        if self._samples % THIN_EVERY == 0 and len(self._recent_samples) >= THIN_RECENT:
+            cutoff = self._recent_samples[-THIN_RECENT]
+            self.writer.submit(records.thin_ops(self.rank, cutoff, max(1, -(-cutoff // THIN_OLD))), droppable=False)
 
     def counters_due(self, errors: ErrorLog) -> bool:
         """Counters go with every sampled step, and with any step once a heartbeat is due or something changed."""

@@ -12,7 +12,8 @@ import enum
 import sys
 import types
 import weakref
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -228,7 +229,7 @@ def _should_descend(obj: Any) -> bool:
         return True
     mod = type(obj).__module__ or ""
     top = mod.split(".", 1)[0]
-    if top in _SKIP_PACKAGES or mod in sys.stdlib_module_names and mod not in ("collections", "types"):
+    if top in _SKIP_PACKAGES or (mod in sys.stdlib_module_names and mod not in ("collections", "types")):
         return False
     return True
 
@@ -461,3 +462,16 @@ def subtree_has_state_or_modes(module: nn.Module) -> bool:
                 any(v is not None for v in m._buffers.values()) or is_mode_sensitive(m):
             return True
     return False
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """torch.compile(model) (an OptimizedModule) or model.compile() on the root or a child."""
+    if type(model).__name__ == "OptimizedModule":
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *model.children()))
+
+
+def model_device(model: nn.Module) -> str:
+    for p in model.parameters():
+        return str(p.device)
+    return "cpu"

@@ -10,7 +10,6 @@ modules keep PyTorch's no-hook fast path on unsampled steps).
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -31,6 +30,7 @@ from .capture import StepCapture, StepRecord
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
+from .losses import LossRecorder
 from .model_index import IdRegistry, ModelIndex, build_index, model_signature
 from .records import Op
 from .rundir import RunFiles, interval_channel
@@ -40,16 +40,10 @@ from .schema import RunStatus, StrEnum
 from .sentinels import RootSentinel
 from .session import StoreSession
 from .structural import structural_findings
-from .structure import ModuleNode, unwrap
+from .structure import ModuleNode, is_compiled, model_device, unwrap
 
-# Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older
-# unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
-THIN_RECENT = 1000
-THIN_OLD = 1000
-THIN_EVERY = 250              # sampled steps between thinning passes (run by the writer thread)
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
-MAX_PENDING_LOSSES = 64       # device losses read together (with a sampled step's copy, or at this many)
 
 
 @dataclasses.dataclass
@@ -96,22 +90,22 @@ class Watcher:
         self._ids = IdRegistry()
         self._runtime = RuntimeModules(self._ids)
         self._activity = measure.UnitActivity(window)
-        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, _is_compiled(model),
+        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, is_compiled(model),
                                     replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
         self._stepped: set[int] = set()
         self._sample_index = 0
         self._unread: UnreadSample | None = None
         self._thread = threading.get_ident()          # the training thread: the only one that reads samples
-        self._pending_losses: list[tuple[int, torch.Tensor]] = []
-        self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._opt_handles: list[RemovableHandle] = []
+        self._on_close: list[Callable[[], None]] = []
         user_model = unwrap(model)
         self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
                                    model_class=f"{type(user_model).__module__}.{type(user_model).__qualname__}",
-                                   device=_model_device(model),
+                                   device=model_device(model),
                                    sampling={"every": every, "overhead": overhead, "window": window})
         self._writer = self._store.writer
+        self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
         for oi, opt in enumerate(self._optimizers):
@@ -138,10 +132,10 @@ class Watcher:
         with self._probe.guard("step"):
             if self._optimizers and not self._external:
                 if loss is not None:
-                    self._record_loss(max(self._probe.step - 1, 0), loss)
+                    self._losses.record(max(self._probe.step - 1, 0), loss)
                 return
             if loss is not None:
-                self._record_loss(self._probe.step, loss)
+                self._losses.record(self._probe.step, loss)
             self._end_step()
 
     def begin_optimizer_step(self, optimizer_index: int = 0) -> None:
@@ -159,8 +153,15 @@ class Watcher:
             return
         with self._probe.guard("step"):
             if loss is not None:
-                self._record_loss(self._probe.step, loss)
+                self._losses.record(self._probe.step, loss)
             self._end_step()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the watcher closes (before its store does): integrations remove what they
+        attached to a framework. A callback that raises is counted as a probe error."""
+        if not callable(callback):
+            raise TypeError(f"on_close needs a callable, got {type(callback).__qualname__}: {callback!r:.80}")
+        self._on_close.append(callback)
 
     def findings(self) -> list[Finding]:
         """The current findings, most severe first (the step in progress included: a validation pass after
@@ -179,7 +180,7 @@ class Watcher:
             if threading.get_ident() == self._thread:
                 self._complete_unread(force=True)
                 self._preview_step()
-            self._flush_losses()
+            self._losses.flush()
             self._write_counters()
             self._writer.flush()
         written = self._store.snapshot(path)
@@ -192,13 +193,17 @@ class Watcher:
                 return
             self._closed = True
         try:
+            for callback in self._on_close:
+                with self._probe.guard("on-close"):
+                    callback()
+            self._on_close.clear()
             if self._unread is not None:
                 self._complete_unread(force=True)
             self._capture.close()
             for h in self._opt_handles:
                 h.remove()
             self._opt_handles.clear()
-            self._flush_losses()
+            self._losses.flush()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
@@ -215,7 +220,7 @@ class Watcher:
             self._index = ModelIndex.empty()
             self._activity.clear()
             self._runtime.clear()
-            self._pending_losses.clear()
+            self._losses.pending.clear()
             measure.release_caches()
 
     def show(self, *, height: int = 650) -> str | None:
@@ -335,8 +340,7 @@ class Watcher:
 
     def _finish_sample(self, step: int) -> None:
         rec = self._capture.finish()
-        pending, self._pending_losses = self._pending_losses, []
-        loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in pending]
+        loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
         fetch = rec.measurements.start_fetch()      # the one host copy of this step
         if fetch.deferred:
             # non-blocking on an accelerator: read at a later step boundary, once it has landed
@@ -356,17 +360,9 @@ class Watcher:
     def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
                      loss_slots: list[tuple[int, int]]) -> None:
         values = fetch.values(self._activity, self._sample_index)
-        if loss_slots:
-            now = time.time()
-            for s, slot in loss_slots:
-                self._evaluator.loss(s, values[slot][0])
-            self._writer.submit([records.loss_op(self.rank, s, now, values[slot][0]) for s, slot in loss_slots])
+        self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
-        self._recent_samples.append(step)
-        if self._sample_index % THIN_EVERY == 0 and len(self._recent_samples) >= THIN_RECENT:
-            cutoff = self._recent_samples[-THIN_RECENT]
-            self._writer.submit(records.thin_ops(self.rank, cutoff, max(1, -(-cutoff // THIN_OLD))),
-                                droppable=False)
+        self._store.sampled(step)
         decoded, ops = self._evaluator.decode(step, rec, values, self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
@@ -393,32 +389,6 @@ class Watcher:
                 self._writer.submit(ops, droppable=False)
 
     # ===================================================================== losses and counters
-    def _record_loss(self, step: int, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
-            if loss.device.type != "cpu":
-                # read with the next sampled step's single host copy (or after MAX_PENDING_LOSSES, or at close)
-                self._pending_losses.append((step, loss))
-                if len(self._pending_losses) >= MAX_PENDING_LOSSES:
-                    self._flush_losses()
-                return
-            loss = float(loss.reshape(-1)[0]) if loss.numel() else None
-        elif loss is not None:
-            loss = float(loss)
-        self._evaluator.loss(step, loss)
-        self._writer.submit([records.loss_op(self.rank, step, time.time(), loss)])
-
-    def _flush_losses(self) -> None:
-        if not self._pending_losses:
-            return
-        pending, self._pending_losses = self._pending_losses, []
-        vals = torch.stack([v.reshape(-1)[0].float() for _, v in pending]).cpu().tolist()
-        for (s, _), v in zip(pending, vals, strict=True):
-            self._evaluator.loss(s, v)
-        now = time.time()
-        self._writer.submit([records.loss_op(self.rank, s, now, v)
-                             for (s, _), v in zip(pending, vals, strict=True)])
-
     def _write_counters(self, status: RunStatus = RunStatus.RUNNING, closed_at: float | None = None,
                         last_step: int | None = None) -> None:
         """``last_step``: the last finished step (default: the one before the step in progress)."""
@@ -432,19 +402,6 @@ class Watcher:
         return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *self._evaluator.tracker.rewrite_ops(step)]
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """torch.compile(model) (an OptimizedModule) or model.compile() on the root or a child."""
-    if type(model).__name__ == "OptimizedModule":
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *model.children()))
-
-
-def _model_device(model: nn.Module) -> str:
-    for p in model.parameters():
-        return str(p.device)
-    return "cpu"
 
 
 def _atexit_closer(watcher: Watcher) -> Callable[[], None]:

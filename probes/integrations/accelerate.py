@@ -95,7 +95,7 @@ class _Steps:
     - the loss: the mean of what the loop passed to ``accelerator.backward`` since the last step.
 
     The wrappers (``accelerator.backward``, ``AcceleratedOptimizer.step``: the same calls) and the hooks
-    come off when the watcher closes (its ``close`` is wrapped for that). Holds the watcher and the
+    come off when the watcher closes (``Watcher.on_close``). Holds the watcher and the
     accelerator weakly."""
 
     def __init__(self, accelerator: Any, watcher: Any, given: list[Any], inner: list[Any]) -> None:
@@ -119,13 +119,7 @@ class _Steps:
             else:
                 self._handles.append(opt.register_step_post_hook(
                     lambda o, a, k, i=i: self._optimizer_done(i)))
-        close = w.close
-
-        def close_and_detach() -> None:
-            self.detach()
-            close()
-
-        w.close = close_and_detach              # with, close() and the atexit closer all call it
+        w.on_close(self.detach)                 # with, close() and the atexit closer all run it
 
     def _wrap(self, obj: Any, name: str, hook: Any, after: bool = False) -> None:
         original = getattr(obj, name)

@@ -28,6 +28,3 @@ def _seed_and_no_leaks():
 def run_dir(tmp_path):
     return tmp_path / "run"
 
-
-def codes(findings, severity=None):
-    return {(f.code, f.path) for f in findings if severity is None or f.severity == severity}

@@ -22,3 +22,7 @@ def by_code(findings):
     for f in findings:
         out.setdefault(f.code, []).append(f)
     return out
+
+
+def codes(findings, severity=None):
+    return {(f.code, f.path) for f in findings if severity is None or f.severity == severity}

@@ -5,8 +5,7 @@ import torch.nn.functional as F
 
 import probes
 import zoo
-from conftest import codes
-from helpers import by_code, train
+from helpers import by_code, codes, train
 
 
 def xor_batches(n=256):

@@ -7,7 +7,7 @@ import torch
 import probes
 import zoo
 from helpers import train
-from probes import watcher as watcher_mod
+from probes import session as session_mod
 from probes.sampling import MAX_INTERVAL, SamplingPolicy
 
 
@@ -86,9 +86,9 @@ def test_every_one_reports_overhead_from_probe_time():
 
 
 def test_long_runs_are_thinned(run_dir, monkeypatch):
-    monkeypatch.setattr(watcher_mod, "THIN_RECENT", 20)
-    monkeypatch.setattr(watcher_mod, "THIN_OLD", 10)
-    monkeypatch.setattr(watcher_mod, "THIN_EVERY", 10)
+    monkeypatch.setattr(session_mod, "THIN_RECENT", 20)
+    monkeypatch.setattr(session_mod, "THIN_OLD", 10)
+    monkeypatch.setattr(session_mod, "THIN_EVERY", 10)
     model = zoo.MLP(din=4, hidden=8, dout=2, depth=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
