@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -178,6 +179,8 @@ def query_times(run_dir: Path, repeat: int) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             q(run)
             out[name].append((time.perf_counter() - t0) * 1000)
+            del run
+            gc.collect()        # close the previous RunDir's connections (the server keeps one RunDir)
     return out
 
 

@@ -88,6 +88,7 @@ class StepRecord:
     local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
     # weak reference tells that tensor apart from a later one that reuses its address after it was freed
     measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
@@ -159,6 +160,12 @@ class StepCapture:
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()
+            for t in rec.hooked:
+                # an emptied hook dict still leaves autograd a (Python) pre-hook to call on every backward:
+                # a tensor that had no hooks before gets none back, and its fast path with it
+                if t._backward_hooks is not None and not t._backward_hooks:
+                    t._backward_hooks = None
+            rec.hooked.clear()
         return rec
 
     def on_trigger(self, module: nn.Module, args: Any) -> None:
@@ -176,6 +183,8 @@ class StepCapture:
             rec.handles.append(mod.register_module_forward_hook(self._eager(self.on_forward)))
             for t in index.grad_hook_targets():
                 assert t.tensor is not None
+                if t.tensor._backward_hooks is None:
+                    rec.hooked.append(t.tensor)
                 rec.handles.append(t.tensor.register_hook(self._eager(functools.partial(self.on_grad, t.param_id))))
             if self.replicas:
                 self.measure_fingerprints(rec, index)

@@ -108,10 +108,13 @@ class UnitActivity:
         the dead fraction of each key."""
         plan = self._plans.get(tuple(keys))
         if plan is None:
-            for k in keys:
+            grow = 0
+            for k in dict.fromkeys(keys):
                 if k not in self._offsets:
-                    self._offsets[k] = self._last.numel()
-                    self._last = torch.cat([self._last, torch.full((k[1],), -1, dtype=torch.int64)])
+                    self._offsets[k] = self._last.numel() + grow
+                    grow += k[1]
+            if grow:                                    # once for all new keys (one at a time is quadratic)
+                self._last = torch.cat([self._last, torch.full((grow,), -1, dtype=torch.int64)])
             positions = torch.cat([torch.arange(self._offsets[k], self._offsets[k] + k[1]) for k in keys])
             unique = list(dict.fromkeys(keys))
             own = torch.cat([torch.full((k[1],), i, dtype=torch.int64) for i, k in enumerate(unique)])

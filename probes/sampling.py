@@ -4,11 +4,11 @@ The schedule is a function of the step number and one interval, so every rank of
 steps and ranks can be compared step by step:
 
 - ``every=N``: the multiples of N.
-- the budget (default 1%): steps 0, 1 and 2, the powers of two (4, 8, 16, ...: findings appear within the
-  first few samples while the cost of a run's start stays bounded), and the multiples of the interval.
-  The interval is the power of two at or above what the budget needs, so the budget is an upper bound:
-  it is the measured extra time of a sampled step (the median of recent sampled steps minus that of
-  unsampled ones) divided by the budget times the unsampled step time.
+- the budget (default 1%): steps 0, 1 and 2 (every finding needs at most three samples, so findings
+  appear at once), then the multiples of the interval. The interval is chosen as soon as one unsampled
+  step has been timed, and after every sampled step: the power of two at or above the measured extra
+  time of a sampled step (the median of recent sampled steps minus that of unsampled ones) divided by
+  the budget times the unsampled step time, so the budget is an upper bound.
 
 In a distributed job rank 0 chooses the interval from its own timings and announces it, with the step
 from which it applies, through an :class:`IntervalChannel`; the other ranks follow. The announcement
@@ -51,6 +51,7 @@ class SamplingPolicy:
         self._plain_ms: collections.deque[float] = collections.deque(maxlen=31)
         self._probe_ms: collections.deque[float] = collections.deque(maxlen=9)
         self._n_sampled = 0
+        self._started = False            # the interval after the start has been chosen (or learnt)
 
     def should_sample(self, step: int) -> bool:
         if self._pending is not None and step >= self._pending[0]:
@@ -58,38 +59,53 @@ class SamplingPolicy:
             self._pending = None
         if self.every:
             return step % self.every == 0
-        return step < WARMUP_STEPS or step & (step - 1) == 0 or step % self.interval == 0
+        return step < WARMUP_STEPS or step % self.interval == 0
 
     def observe(self, step: int, step_ms: float, probe_ms: float, sampled: bool) -> None:
         """Record a finished step and, after a sampled one, choose (or learn) the interval."""
         if not sampled:
             self._plain_ms.append(step_ms)
+            if not self.every and self._n_sampled >= WARMUP_STEPS and not self._started:
+                # the first timed unsampled step after the start: choose now (followers: learn it, polling
+                # each step until rank 0's choice arrives, which applies two steps after it was made)
+                self._started = self._choose(step, early=True) or self._leader
             return
         self._n_sampled += 1
         if self._n_sampled > 1:          # the first step carries one-off warm-up costs
             self._sampled_ms.append(step_ms)
             self._probe_ms.append(probe_ms)
-        if self.every:
-            return
+        if not self.every:
+            self._choose(step)
+
+    def _choose(self, step: int, early: bool = False) -> bool:
+        """Choose the interval (rank 0) or learn rank 0's choice (the others); True once one is known."""
         if not self._leader:
             announced = self._channel.latest() if self._channel is not None else None
-            if announced is not None and announced != self._pending and announced[1] != self.interval:
+            if announced is None:
+                return self._channel is None
+            if announced != self._pending and announced[1] != self.interval:
                 self._pending = announced if announced[0] > step else None
                 if announced[0] <= step:                 # late: follow at once
                     self.interval = announced[1]
-            return
+            return True
         wanted = self._budget_interval()
         current = self._pending[1] if self._pending is not None else self.interval
         if wanted == current:
-            return
+            return True
         if self._channel is None:
             self.interval, self._pending = wanted, None
-            return
-        # every follower samples again at step + interval (or earlier) and reads the announcement there
-        span = max(self.interval, wanted)
-        from_step = (step + self.interval) // span * span + span
+            return True
+        if early:
+            # right after the start the followers poll every step: in lockstep (data parallelism waits for
+            # every rank at each step) they have read it within two steps
+            from_step = step + 2
+        else:
+            # every follower samples again at step + interval (or earlier) and reads the announcement there
+            span = max(self.interval, wanted)
+            from_step = (step + self.interval) // span * span + span
         self._pending = (from_step, wanted)
         self._channel.announce(from_step, wanted)
+        return True
 
     def extra_ms(self) -> float | None:
         """Measured cost of sampling one step (ms), or None before there is evidence."""

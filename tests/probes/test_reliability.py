@@ -46,13 +46,23 @@ def test_close_removes_every_hook_and_holds_no_reference(run_dir):
     for mod in list(model.modules()) + list(model.encoder.blocks):
         assert all(len(d) == 0 for d in hook_dicts(mod))
     for p in list(model.parameters()) + [p for b in model.encoder.blocks for p in b.parameters()]:
-        assert not p._backward_hooks
+        # None, not an emptied dict: an empty dict still makes autograd call into Python on every backward
+        assert p._backward_hooks is None
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert {name: set(vars(m)) for name, m in model.named_modules()} == before   # nothing added
     model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
     del model, opt
     gc.collect()
     assert model_ref() is None and opt_ref() is None, "the closed watcher still references the model"
+
+
+def test_a_sampled_step_leaves_no_hook_for_the_unsampled_ones(run_dir):
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=3) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))   # steps 0 (sampled), 1
+        assert all(p._backward_hooks is None for p in model.parameters())
+        assert all(len(d) == 0 for m in model.modules() if m is not model for d in hook_dicts(m))
 
 
 def test_closed_watcher_ignores_further_training(run_dir):

@@ -27,9 +27,17 @@ def test_budget_chooses_the_interval_from_measured_cost():
     # a sampled step costs 10 ms more than a 100 ms step: 1% needs one sample every 10 steps; the interval
     # is the power of two at or above it (the budget is an upper bound)
     assert p.interval == 16
-    assert sampled[:6] == [0, 1, 2, 4, 8, 16]      # the start: steps 0-2, then the powers of two
+    assert sampled[:5] == [0, 1, 2, 16, 32]        # the start: steps 0-2 (findings at once), then the interval
     assert p.overhead() == pytest.approx(10.0 / (100.0 * 16))
-    assert set(sampled) == {s for s in range(400) if s < 3 or s & (s - 1) == 0 or s % 16 == 0}
+    assert set(sampled) == {s for s in range(400) if s < 3 or s % 16 == 0}
+
+
+def test_the_interval_is_chosen_at_the_first_unsampled_step_after_the_start():
+    """An expensive sampled step (here 5 times a plain one) must not be repeated before the budget allows:
+    the interval is chosen as soon as one unsampled step is timed, not at the next sampled step."""
+    p = SamplingPolicy(every=None, overhead=0.01)
+    sampled = feed(p, plain_ms=100.0, sampled_ms=500.0, probe_ms=400.0, steps=1000)
+    assert sampled == [0, 1, 2, 512]
 
 
 def test_budget_adapts_when_sampling_gets_expensive():
