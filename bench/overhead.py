@@ -108,19 +108,21 @@ class FloorProbe:
 
 
 class Harness:
-    def __init__(self, config, factory, batch_fn, loss_fn, device, workdir: Path):
+    def __init__(self, config, factory, batch_fn, loss_fn, device, workdir: Path, compile_backend=None):
         torch.manual_seed(0)
         self.config = config
         self.model = factory().to(device)
         self.model.train()
+        # what the training loop calls: the model, or (--compile) the compiled model
+        self.called = torch.compile(self.model, backend=compile_backend) if compile_backend else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.batch_fn, self.loss_fn, self.device = batch_fn, loss_fn, device
         self.watcher = self.ideal = self.tb = self.wandb_run = None
         run_dir = workdir / config
         if config == "modscope-default":
-            self.watcher = probes.watch(self.model, self.opt, run_dir=run_dir)
+            self.watcher = probes.watch(self.called, self.opt, run_dir=run_dir)
         elif config == "modscope-every1":
-            self.watcher = probes.watch(self.model, self.opt, run_dir=run_dir, every=1)
+            self.watcher = probes.watch(self.called, self.opt, run_dir=run_dir, every=1)
         elif config == "ideal":
             self.ideal = IdealProbe(self.model)
         elif config == "floor":
@@ -141,7 +143,7 @@ class Harness:
         (each phase ends with a device sync then, so use it only for the breakdown)."""
         x, y = self.batch_fn()
         t0 = time.perf_counter()
-        out = self.model(x)
+        out = self.called(x)
         loss = self.loss_fn(out, y)
         if phases is not None:
             sync(self.device)
@@ -193,9 +195,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=False) -> dict:
+def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=False, compile_backend=None) -> dict:
     factory, batch_fn, loss_fn = registry(device)[name]
-    harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name) for c in configs]
+    harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name, compile_backend) for c in configs]
     times: dict[str, list[float]] = {c: [] for c in configs}
     phase_ms: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     every_step: dict[str, list[float]] = {c: [] for c in configs}     # the untimed first step of a block too
@@ -310,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-count", action="store_true", help="count host syncs per sampled step (CUDA)")
     ap.add_argument("--phases", action="store_true",
                     help="also split one extra step per block into forward / backward / optimizer + probe")
+    ap.add_argument("--compile", metavar="BACKEND", default=None,
+                    help="torch.compile every configuration's model with this backend (e.g. inductor, eager); "
+                         "modscope watches the compiled model (its sampled steps run eagerly)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     ap.add_argument("--child-rss", nargs=3, metavar=("MODEL", "CONFIG", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -328,13 +333,14 @@ def main(argv=None) -> int:
         configs.insert(0, "bare")
     models = [m for m in args.models.split(",") if m]
     print(f"torch {torch.__version__}  device={args.device}  threads={torch.get_num_threads()}  "
+          + (f"compiled ({args.compile})  " if args.compile else "") +
           f"rounds={args.rounds} x steps={args.steps} (interleaved)" +
           (f"  skipped (not installed): {skipped}" if skipped else ""))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp),
-                            phases=args.phases)
+                            phases=args.phases, compile_backend=args.compile)
             med, ov = r["median_ms"], r["overhead"]
             print(f"\n{name}: median ms/step, overhead vs bare (median of paired per-round ratios)")
             for c in configs:

@@ -29,6 +29,7 @@ from .structure import ModuleNode, unit_dim
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
 
+_HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance")   # torch >= 2.6
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
 
 OutputKey = tuple[int, int, int, tuple[int, ...]]       # id, _version, data_ptr, shape of a module output
@@ -89,6 +90,7 @@ class StepRecord:
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
+    stance: Any = None           # torch.compiler's stance while a compiled model runs this step eagerly
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
     # weak reference tells that tensor apart from a later one that reuses its address after it was freed
     measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
@@ -136,9 +138,9 @@ class StepCapture:
         return self._eager(hook) if self.compiled else hook
 
     def _eager(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Under torch.compile, run our hooks eagerly instead of letting dynamo trace them (which would
-        break graphs and recompile); a plain function otherwise (no wrapper cost)."""
-        if self.compiled and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+        """Under torch.compile without stances (torch < 2.6), run our hooks eagerly instead of letting dynamo
+        trace them; a plain function otherwise (no wrapper cost)."""
+        if self.compiled and not _HAS_STANCE and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
             return torch.compiler.disable(fn)  # type: ignore[no-any-return]
         return fn
 
@@ -149,6 +151,10 @@ class StepCapture:
         forwards) no global hook exists."""
         self.index = index
         rec = self.record = StepRecord()
+        if self.compiled and _HAS_STANCE:
+            # a compiled model runs its sampled steps eagerly: the compiled graph never sees our hooks, so
+            # it is neither broken nor recompiled, and unsampled steps run it exactly as without modscope
+            rec.stance = torch.compiler.set_stance("force_eager")
         trigger = self._eager(self.on_trigger)
         for module in index.top_level_modules():
             rec.handles.append(module.register_forward_pre_hook(trigger))
@@ -157,6 +163,9 @@ class StepCapture:
         """Remove every hook of the step; returns what it gathered."""
         rec, self.record = self.record, None
         if rec is not None:
+            if rec.stance is not None:
+                rec.stance.__exit__(None, None, None)      # the stance the user had
+                rec.stance = None
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()

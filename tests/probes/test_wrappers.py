@@ -120,3 +120,53 @@ def test_watching_the_wrapper_or_the_model_gives_the_same_tree(run_dir):
     q = "SELECT path, type, kind FROM modules ORDER BY path"
     assert stored(a.store_path, q) == stored(b.store_path, q)
     assert stored(a.store_path, "SELECT model_class FROM ranks") == [(f"{zoo.__name__}.MLP",)]
+
+
+def _dynamo_run(watch: bool, inplace: bool, steps: int, run_dir):
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = zoo.MLP(din=8, hidden=16, dout=2, depth=2)
+    if inplace:
+        model.compile(backend="eager")
+        called = model
+    else:
+        called = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = probes.watch(called, opt, run_dir=run_dir, every=2) if watch else None
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+        loss = F.cross_entropy(called(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if w is not None:
+            w.step(loss)
+        losses.append(loss.detach())
+    found = []
+    if w is not None:
+        found = w.findings()
+        assert not w.probe_errors, w.probe_errors
+        w.close()
+    stats = {k: dict(counters[k]) for k in ("frames", "stats", "graph_break", "recompiles")}
+    return stats, losses, found
+
+
+def test_a_watched_compiled_model_stays_compiled(tmp_path):
+    """Every other step is sampled (eagerly); the compiled graph is captured once, like without modscope, and
+    never broken nor recompiled over a hundred steps."""
+    bare, bare_losses, _ = _dynamo_run(False, False, 100, None)
+    watched, watched_losses, found = _dynamo_run(True, False, 100, tmp_path / "run")
+    assert bare["stats"]["unique_graphs"] == 1 and bare["frames"] == {"total": 1, "ok": 1}
+    assert watched == bare                               # one graph, one frame, no break, no recompile
+    assert found == []
+    assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
+
+
+def test_a_model_compiled_in_place_stays_compiled(tmp_path):
+    bare, _, _ = _dynamo_run(False, True, 40, None)
+    watched, _, _ = _dynamo_run(True, True, 40, tmp_path / "run")
+    assert watched["stats"] == bare["stats"] and not watched["recompiles"] and not watched["graph_break"]
