@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "browser")]
 
 
 # -- the worker (one rank, started by torchrun) -----------------------------------------------------------
-def worker(run_dir: str, steps: int) -> None:
+def worker(run_dir: str, steps: int, every: int | None) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -63,7 +63,7 @@ def worker(run_dir: str, steps: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(100 + rank)
     try:
-        with probes.watch(model, opt, run_dir=run_dir) as w:
+        with probes.watch(model, opt, run_dir=run_dir, every=every) as w:
             for _ in range(steps):
                 x = torch.randint(0, 128, (4, 32), generator=g)
                 logits = model(x)
@@ -84,11 +84,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def train(run_dir: Path, nproc: int, steps: int) -> float:
+def train(run_dir: Path, nproc: int, steps: int, every: int | None = None) -> float:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            "--rdzv_backend=static", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--steps", str(steps)]
+           str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--steps", str(steps),
+           *(["--every", str(every)] if every else [])]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, check=False)
     if r.returncode != 0:
@@ -275,6 +276,7 @@ def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--every", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help="where the stores go (default: a temporary directory)")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--real-ranks", type=int, default=None, help="real processes (default: --ranks); the rest cloned")
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.run_dir, args.steps)
+        worker(args.run_dir, args.steps, args.every)
         return 0
 
     from dashboard.run import RunDir
@@ -303,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     breakdown = size_breakdown(rank0)
     if real < args.ranks:
         clone_ranks(run_dir, real, args.ranks)
+    # bytes per sampled step, measured where every step is sampled (2 real ranks, every=1, 200 steps)
+    every1 = base / "every1"
+    if every1.exists():
+        shutil.rmtree(every1)
+    print("  and, for the bytes of a sampled step: torchrun --nproc_per_node=2, every=1, 200 steps ...", flush=True)
+    train(every1, 2, 200, every=1)
+    every1_rank0 = sorted(every1.glob("modscope-*-rank0.sqlite"))[0]
+    every1_breakdown = size_breakdown(every1_rank0)
+    every1_mb = round(every1_rank0.stat().st_size / 200 * 10_000 / 2**20, 1)
     run = RunDir.open(run_dir).run()
     ranks = run.ranks()
     store0 = run.at(0)
@@ -315,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "store_bytes_rank0": size0,
         "store_mb_per_rank_per_10k_steps_linear": round(size0 / ov["steps_recorded"] * 10_000 / 2**20, 1),
         "store_breakdown_rank0": breakdown,
+        "store_every1_breakdown_rank0": every1_breakdown, "store_every1_mb_per_10k_steps_linear": every1_mb,
     }
     print(f"  {how}; {n_modules} modules; {ov['steps_recorded']} steps of which {sampled} sampled on each rank; "
           f"trained in {train_s:.0f} s", flush=True)
@@ -347,12 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstore size, rank 0: {size0 / 2**20:.2f} MB for {ov['steps_recorded']} steps ({sampled} sampled) -> "
           f"{results['store_mb_per_rank_per_10k_steps_linear']} MB per rank per 10,000 steps, extrapolated "
           "linearly (an upper bound: the dense first steps and no thinning at this length)")
-    bd = breakdown
-    print(f"  of it: {bd['bytes_per_sampled_step']:,} bytes per sampled step (module and tensor statistics), "
-          f"{bd['bytes_per_step']:,} bytes per step (the loss curve), {bd['fixed_bytes'] / 1024:.0f} KiB the rest "
-          f"(whole pages); 10,000 steps sampled every {bd['sampling_interval_at_end']} steps (the interval the "
-          f"budget reached) -> {bd['mb_per_10k_steps_at_that_interval']} MB, every step sampled (every=1) -> "
-          f"{bd['mb_per_10k_steps_every_1']} MB (linear, before thinning)")
+    bd, e1 = breakdown, every1_breakdown
+    print(f"  the budget reached a sampling interval of {bd['sampling_interval_at_end']} steps; at that interval "
+          f"10,000 steps would take {bd['mb_per_10k_steps_at_that_interval']} MB (linear)")
+    print(f"every step sampled (every=1, 2 real ranks, 200 steps): rank 0 {every1_rank0.stat().st_size / 2**20:.2f} MB "
+          f"-> {every1_mb} MB per rank per 10,000 steps, extrapolated linearly before thinning (the writer keeps about "
+          f"2,000 sampled steps of a long run); {e1['bytes_per_sampled_step']:,} bytes per sampled step, "
+          f"{e1['bytes_per_step']:,} bytes per step, {e1['fixed_bytes'] / 1024:.0f} KiB the rest (whole pages)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
