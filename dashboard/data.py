@@ -49,6 +49,7 @@ from probes.schema import (
     StrEnum,
     TensorKind,
     WriterState,
+    decode_hist,
     module_path_candidates,
     normalize_path,
     parse_store_filename,
@@ -943,10 +944,10 @@ class Store:
                            "LIMIT ?", (rank, module_id, bucket, max_cols + 1), limit=max_cols + 1)
         steps, counts = [], []
         for r in rows:
-            h = _loads(r["hist"])
-            if isinstance(h, list):
+            h = decode_hist(r["hist"])          # schema 2: a uint16 blob; schema 1: a JSON list
+            if h is not None:
                 steps.append(r["step"])
-                counts.append([float(x or 0) for x in h])
+                counts.append([float(x) for x in h])
         return {"step": steps, "counts": counts, "edges": edges}
 
     _PARAM_COLS = ("param_id", "path", "name", "shape", "numel", "dtype", "device", "kind", "requires_grad",

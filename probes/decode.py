@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from . import measure
 from .capture import StepRecord, TensorSlot
+from .measure import Fetched
+from .schema import ZERO_BIN, decode_hist, encode_hist
 
-Values = Sequence[Sequence[float]]      # one host list per fetched vector, in slot order
-
-_K = len(measure.CALL_FIELDS)
-_MEAN, _STD, _ABSMAX, _ZERO, _DEAD, _SAT, _NONFINITE = (measure.CALL_FIELDS.index(f) for f in (
-    "mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite"))
+Values = Fetched       # a sampled step's host values (probes.measure.PendingFetch.read)
 
 
 @dataclasses.dataclass
@@ -41,7 +39,7 @@ class ModuleColumns:
     order: list[int] = dataclasses.field(default_factory=list)      # execution order of its first call
     training: list[bool | None] = dataclasses.field(default_factory=list)
     grad_enabled: list[bool | None] = dataclasses.field(default_factory=list)
-    hist: list[str] = dataclasses.field(default_factory=list)       # JSON list of HIST_BINS counts
+    hist: list[bytes] = dataclasses.field(default_factory=list)     # as stored (schema.encode_hist)
 
     def nonfinite_in_order(self) -> list[tuple[int, int]]:
         """(module id, NaN/Inf count) of the modules that produced non-finite values, in execution order."""
@@ -73,26 +71,29 @@ def _none_if_negative(v: float) -> float | None:
     return None if v < 0 else v
 
 
-def module_columns(step: int, rec: StepRecord, values: Values) -> ModuleColumns:
+def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns:
     """One entry per module measured in the step; several calls are aggregated (mean of means, max of
     abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest)."""
     cols = ModuleColumns(step)
     for mid, calls in rec.rows.items():
         first = calls[0]
+        c, i = values.call(first.slot)
         if len(calls) == 1:                                  # the common case: one call
-            row = values[first.slot]
-            mean, std, absmax, dead, sat, nonfinite = row[_MEAN], row[_STD], row[_ABSMAX], row[_DEAD], row[_SAT], \
-                row[_NONFINITE]
-            hist = row[_K:]
+            mean, std, absmax, zero, dead, sat, nonfinite = (c.mean[i], c.std[i], c.absmax[i], c.zero_frac[i],
+                                                             c.dead_frac[i], c.sat_frac[i], c.nonfinite[i])
+            hist = c.hist[i]
         else:
-            vecs = [values[c.slot] for c in calls]
-            mean = sum(v[_MEAN] for v in vecs) / len(vecs)
-            std = sum(v[_STD] for v in vecs) / len(vecs)
-            absmax = max(v[_ABSMAX] for v in vecs)
-            dead, sat = vecs[-1][_DEAD], sum(v[_SAT] for v in vecs) / len(vecs)
-            nonfinite = sum(v[_NONFINITE] for v in vecs)
-            hist = [sum(col) for col in zip(*(v[_K:] for v in vecs), strict=True)]
-        total = sum(hist)
+            where = [values.call(k.slot) for k in calls]
+            n = len(where)
+            mean = sum(cc.mean[j] for cc, j in where) / n
+            std = sum(cc.std[j] for cc, j in where) / n
+            absmax = max(cc.absmax[j] for cc, j in where)
+            dead, sat = where[-1][0].dead_frac[where[-1][1]], sum(cc.sat_frac[j] for cc, j in where) / n
+            nonfinite = sum(cc.nonfinite[j] for cc, j in where)
+            counts = [sum(col) for col in zip(*(decode_hist(cc.hist[j]) or [] for cc, j in where), strict=True)]
+            total = sum(counts)
+            zero = counts[ZERO_BIN] / total if total else math.nan
+            hist = encode_hist(counts)
         grads = rec.out_grads.get(mid)
         cols.module_ids.append(mid)
         cols.calls.append(rec.calls.get(mid, len(calls)))
@@ -100,7 +101,7 @@ def module_columns(step: int, rec: StepRecord, values: Values) -> ModuleColumns:
         cols.mean.append(mean)
         cols.std.append(std)
         cols.absmax.append(absmax)
-        cols.zero_frac.append(hist[measure.ZERO_BIN] / total if total else None)
+        cols.zero_frac.append(None if math.isnan(zero) else zero)
         cols.dead_frac.append(_none_if_negative(dead))
         cols.sat_frac.append(_none_if_negative(sat))
         cols.nonfinite.append(first.numel if math.isnan(nonfinite) else int(nonfinite))
@@ -108,7 +109,7 @@ def module_columns(step: int, rec: StepRecord, values: Values) -> ModuleColumns:
         cols.order.append(first.order)
         cols.training.append(first.training)
         cols.grad_enabled.append(first.grad_enabled)
-        cols.hist.append("[" + ",".join(str(int(c)) for c in hist) + "]")
+        cols.hist.append(hist)
     return cols
 
 

@@ -4,14 +4,16 @@ device per sampled step (one host sync), never ``.item()`` per tensor, and deriv
 there in a batch."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
+import sys
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
 from . import batch
-from .schema import HIST_BINS, HIST_EDGES, ZERO_BIN
+from .schema import HIST_BINS, HIST_EDGES, ZERO_BIN, decode_hist, encode_hist
 
 # layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
 CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
@@ -260,9 +262,10 @@ class PendingFetch:
         """The copy has landed: reading the values now costs no wait."""
         return all(g.event is None or g.event.query() for g in self._groups)
 
-    def values(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
-        """Host values of every chunk, in order; call chunks come back as CALL_WIDTH rows."""
-        out: list[list[float]] = [[] for _ in range(self._n)]
+    def read(self, activity: UnitActivity | None = None, sample_index: int = 0) -> Fetched:
+        """The host values: plain vectors as lists, calls as columns (waits for the copy)."""
+        plain: list[list[float]] = [[] for _ in range(self._n)]
+        calls: list[CallColumns] = []
         for g in self._groups:
             if g.event is not None:
                 g.event.synchronize()
@@ -270,13 +273,38 @@ class PendingFetch:
                 end = g.plain[-1][1] + g.plain[-1][2]
                 flat = g.host[:end].tolist()
                 for i, start, n in g.plain:
-                    out[i] = flat[start:start + n]
+                    plain[i] = flat[start:start + n]
             if g.calls:
-                rows = _call_rows(g.host, [(start, lay, key) for _, start, lay, key in g.calls], activity,
-                                  sample_index)
-                for (i, _, _, _), row in zip(g.calls, rows, strict=True):
-                    out[i] = row
+                calls.append(_call_columns(g.host, g.calls, activity, sample_index))
         self._groups = []
+        return Fetched(plain, calls)
+
+    def values(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
+        """Host values of every chunk, in order; call chunks come back as CALL_WIDTH rows."""
+        return self.read(activity, sample_index).rows()
+
+
+class Fetched:
+    """A sampled step's host values: ``self[slot]`` is a plain vector's list; a call's statistics are read
+    through :meth:`call` (columns, one per device)."""
+
+    def __init__(self, plain: list[list[float]], calls: list[CallColumns]) -> None:
+        self.plain = plain
+        self.columns = calls
+        self._where = {slot: (c, i) for c, cols in enumerate(calls) for i, slot in enumerate(cols.slots)}
+
+    def __getitem__(self, slot: int) -> list[float]:
+        return self.plain[slot]
+
+    def call(self, slot: int) -> tuple[CallColumns, int]:
+        c, i = self._where[slot]
+        return self.columns[c], i
+
+    def rows(self) -> list[list[float]]:
+        out = list(self.plain)
+        for cols in self.columns:
+            for i, slot in enumerate(cols.slots):
+                out[slot] = cols.row(i)
         return out
 
 
@@ -305,6 +333,12 @@ class _CallPlan:
     psamp: torch.Tensor
     hist_base: torch.Tensor     # per sample value: its call's first bin in the flattened histograms
     heads: torch.Tensor
+    head_sum: torch.Tensor      # per call: where its sum, sum of squares, NaN/Inf count and saturated
+    head_sq: torch.Tensor       # fraction are in the host buffer (the last two -1 where the call has none)
+    head_nonfinite: torch.Tensor
+    head_sat: torch.Tensor
+    known_nonfinite: torch.Tensor   # per call: the count known on the host (NaN: it is in the buffer)
+    numel: torch.Tensor         # float64
     tracked_calls: list[int]    # calls whose units extend an activity history
     tracked_units: torch.Tensor | None   # their units' positions among all calls' units
     tracked_keys: tuple[int, ...] | None
@@ -327,64 +361,100 @@ def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
                             [lay.sample for lay in lays])
     heads = torch.tensor([s + j for s, lay in zip(starts, lays, strict=True) for j in range(lay.head)],
                          dtype=torch.int64)
+    head_nf = [s + 2 if lay.nonfinite is None else -1 for s, lay in zip(starts, lays, strict=True)]
+    head_sat = [s + 2 + (lay.nonfinite is None) if lay.sat else -1 for s, lay in zip(starts, lays, strict=True)]
     unit_ends = torch.cumsum(torch.tensor(units), 0).tolist()
     tracked = [c for c, lay in enumerate(lays) if lay.track]
     tracked_units = (torch.cat([torch.arange(unit_ends[c] - lays[c].units, unit_ends[c]) for c in tracked])
                      if tracked else None)
     if len(_PLANS) >= 2:          # a few MB each on a large model; a run repeats one arrangement
         _PLANS.clear()
-    plan = _PLANS[key] = _CallPlan(pmax, pmin, seg, psamp, sseg * HIST_BINS, heads, tracked, tracked_units,
-                                   tuple(tracked) if tracked else None)
+    plan = _PLANS[key] = _CallPlan(
+        pmax, pmin, seg, psamp, sseg * HIST_BINS, heads, torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64) + 1, torch.tensor(head_nf, dtype=torch.int64),
+        torch.tensor(head_sat, dtype=torch.int64),
+        torch.tensor([math.nan if lay.nonfinite is None else float(lay.nonfinite) for lay in lays],
+                     dtype=torch.float64),
+        torch.tensor([lay.numel for lay in lays], dtype=torch.float64), tracked, tracked_units,
+        tuple(tracked) if tracked else None)
     return plan
 
 
-def _call_rows(host: torch.Tensor, calls: list[tuple[int, CallLayout, Any]], activity: UnitActivity | None,
-               sample_index: int) -> list[list[float]]:
-    """CALL_WIDTH rows from raw call chunks in ``host`` (CPU): batched extremes and histograms,
-    per-module unit activity."""
+@dataclasses.dataclass
+class CallColumns:
+    """Every call's statistics of one fetch, column by column (index: the call's position in ``slots``);
+    ``hist`` holds each call's histogram as stored (schema.encode_hist)."""
+
+    slots: list[int]
+    mean: list[float]
+    std: list[float]
+    absmax: list[float]
+    zero_frac: list[float]
+    dead_frac: list[float]
+    sat_frac: list[float]
+    nonfinite: list[float]
+    hist: list[bytes]
+
+    def row(self, i: int) -> list[float]:
+        """Call ``i`` as a CALL_WIDTH row (CALL_FIELDS, then the HIST_BINS counts)."""
+        counts = decode_hist(self.hist[i]) or []
+        return [self.mean[i], self.std[i], self.absmax[i], self.zero_frac[i], self.dead_frac[i], self.sat_frac[i],
+                self.nonfinite[i], *counts]
+
+
+def _pick(host: torch.Tensor, positions: torch.Tensor, missing: float) -> torch.Tensor:
+    """host[positions] in float64, ``missing`` where the position is -1."""
+    out = host[positions.clamp(min=0)].double()
+    return torch.where(positions >= 0, out, torch.full_like(out, missing))
+
+
+def _call_columns(host: torch.Tensor, calls: list[tuple[int, int, CallLayout, Any]],
+                  activity: UnitActivity | None, sample_index: int) -> CallColumns:
+    """Every statistic of every call from their raw chunks in ``host`` (CPU), vector by vector: extremes,
+    moments, histograms, per-module unit activity. Nothing here runs a loop per call but the dead
+    fractions' lookup."""
     n_calls = len(calls)
     # the plan is relative to the first call: plain vectors before it change size from step to step
-    base = calls[0][0]
+    base = calls[0][1]
     host = host[base:]
-    plan = _plan([s - base for s, _, _ in calls], [lay for _, lay, _ in calls])
+    plan = _plan([s - base for _, s, _, _ in calls], [lay for _, _, lay, _ in calls])
     umax, umin = host[plan.pmax], host[plan.pmin]
-    amax = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umax, "amax", include_self=False)
-    amin = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umin, "amin", include_self=False)
+    hi = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umax, "amax", include_self=False).double()
+    lo = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umin, "amin", include_self=False).double()
     sample = host[plan.psamp]
     finite = torch.isfinite(sample)
     if bool(finite.all()):
         idx = plan.hist_base + torch.bucketize(sample, _INNER_EDGES, right=True)
     else:
         idx = plan.hist_base[finite] + torch.bucketize(sample[finite], _INNER_EDGES, right=True)
-    hists = torch.bincount(idx, minlength=n_calls * HIST_BINS).view(n_calls, HIST_BINS).tolist()
-    amax_l, amin_l = amax.tolist(), amin.tolist()
-    heads = host[plan.heads].tolist()
-    # the dead fraction of a module is read after all of its calls in the step: fold them first
-    dead: dict[tuple[Any, int], float] = {}
+    hists = torch.bincount(idx, minlength=n_calls * HIST_BINS).view(n_calls, HIST_BINS)
+    total = hists.sum(1).double()
+    zero = torch.where(total > 0, hists[:, ZERO_BIN].double() / total.clamp(min=1), torch.full_like(total, math.nan))
+    blob = hists.clamp(max=65535).to(torch.int32).to(torch.int16).contiguous()    # the uint16 bit pattern
+    raw = ctypes.string_at(blob.data_ptr(), blob.numel() * 2)
+    width = HIST_BINS * 2
+    hist_bytes = [raw[i * width:(i + 1) * width] for i in range(n_calls)]
+    if sys.byteorder == "big":
+        hist_bytes = [encode_hist(decode_hist(b) or []) for b in hist_bytes]
+    s, d = host[plan.head_sum].double(), host[plan.head_sq].double()
+    mean = s / plan.numel
+    var = d / plan.numel - mean * mean
+    # exactly 0 for a constant output (E[x^2] - mean^2 would leave rounding noise); NaN stays NaN
+    std = torch.where(hi == lo, torch.zeros_like(var),
+                      torch.where(var > 0, var.clamp(min=0).sqrt(), torch.where(torch.isnan(var), var, torch.zeros_like(var))))
+    nonfinite = torch.where(torch.isnan(plan.known_nonfinite), _pick(host, plan.head_nonfinite, math.nan),
+                            plan.known_nonfinite)
+    sat = _pick(host, plan.head_sat, NOT_APPLICABLE)
+    absmax = torch.maximum(hi, -lo)
+    dead = [NOT_APPLICABLE] * n_calls
     if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
-        keys = [(calls[c][2], calls[c][1].units) for c in plan.tracked_calls]
-        dead = activity.update_many(keys, active[plan.tracked_units], sample_index)
-    rows, h = [], 0
-    for c, (_, lay, key) in enumerate(calls):
-        s, d = heads[h], heads[h + 1]
-        j = h + 2
-        if lay.nonfinite is None:
-            nonfinite, j = heads[j], j + 1
-        else:
-            nonfinite = float(lay.nonfinite)
-        sat = heads[j] if lay.sat else NOT_APPLICABLE
-        h += lay.head
-        n = lay.numel
-        mean = s / n
-        hi, lo = amax_l[c], amin_l[c]
-        var = d / n - mean * mean
-        # exactly 0 for a constant output (E[x^2] - mean^2 would leave rounding noise)
-        std = 0.0 if hi == lo else math.sqrt(var) if var > 0 else (0.0 if var == var else var)
-        dead_frac = dead.get((key, lay.units), NOT_APPLICABLE) if lay.track else NOT_APPLICABLE
-        # the zero fraction is read from the histogram's zero bin (|x| < 1e-6) by the caller
-        rows.append([mean, std, max(hi, -lo), NOT_APPLICABLE, dead_frac, sat, nonfinite, *hists[c]])
-    return rows
+        keys = [(calls[c][3], calls[c][2].units) for c in plan.tracked_calls]
+        by_key = activity.update_many(keys, active[plan.tracked_units], sample_index)
+        for c, k in zip(plan.tracked_calls, keys, strict=True):
+            dead[c] = by_key[k]
+    return CallColumns([slot for slot, _, _, _ in calls], mean.tolist(), std.tolist(), absmax.tolist(),
+                       zero.tolist(), dead, sat.tolist(), nonfinite.tolist(), hist_bytes)
 
 
 def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int,

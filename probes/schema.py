@@ -12,6 +12,7 @@ See docs/schema.md for what the tables mean.
 
 from __future__ import annotations
 
+import array
 import enum
 import json
 import os
@@ -57,7 +58,9 @@ __all__ = [
     "WriterState",
     "WriterStatus",
     "code_label",
+    "decode_hist",
     "display_path",
+    "encode_hist",
     "encode_status",
     "module_path_candidates",
     "normalize_path",
@@ -316,6 +319,32 @@ HIST_EDGES = [-e for e in reversed(_POS)] + _POS
 HIST_BINS = len(HIST_EDGES) + 1
 ZERO_BIN = HIST_EDGES.index(1e-6)      # the bin [-1e-6, 1e-6)
 
+
+def encode_hist(counts: Sequence[int]) -> bytes:
+    """A histogram as module_stats.hist stores it: HIST_BINS counts, little-endian uint16 (50 bytes;
+    a count saturates at 65,535)."""
+    a = array.array("H", (min(int(c), 65535) for c in counts))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def decode_hist(value: bytes | str | None) -> list[int] | None:
+    """The counts of a stored histogram: the uint16 blob of schema 2, or the JSON list of schema 1."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        a = array.array("H")
+        a.frombytes(bytes(value))
+        if sys.byteorder == "big":
+            a.byteswap()
+        return list(a)
+    try:
+        counts = json.loads(value)
+    except (TypeError, ValueError):
+        return None
+    return [int(c) for c in counts] if isinstance(counts, list) else None
+
 # ---------------------------------------------------------------------------------- tables
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -413,7 +442,7 @@ CREATE TABLE IF NOT EXISTS module_stats (
     out_grad_norm REAL,              -- L2 norm of d(loss)/d(output), when backward ran
     training      INTEGER,           -- module.training at call time
     grad_enabled  INTEGER,           -- torch.is_grad_enabled() at call time
-    hist          TEXT,              -- JSON list of HIST_BINS counts (meta 'hist_edges')
+    hist          BLOB,              -- HIST_BINS counts, little-endian uint16 (schema 1: a JSON list); see decode_hist
     PRIMARY KEY (rank, module_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS module_stats_by_step ON module_stats(rank, step);

@@ -359,7 +359,7 @@ class Watcher:
 
     def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
                      loss_slots: list[tuple[int, int]]) -> None:
-        values = fetch.values(self._activity, self._sample_index)
+        values = fetch.read(self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._store.sampled(step)
