@@ -37,7 +37,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "dashboard"), str(REPO / "tests" / "browser")]
 
 import psutil  # noqa: E402
-
 import synth_store  # noqa: E402  (tests/dashboard/synth_store.py: writes with the schema's DDL)
 from browser_helpers import CHROMEDRIVER, CHROMIUM, free_port  # noqa: E402
 
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
     print(f"  {n_stats:,} module_stats rows, {size_mb:.0f} MB, built in {build_s:.1f} s", flush=True)
 
     port = free_port()
-    log = open(run_dir / "dashboard.log", "w")
+    log = open(run_dir / "dashboard.log", "w")  # noqa: SIM115  (the server writes to it until the benchmark ends)
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--run", str(run_dir), "--port", str(port)],
                               stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
     url = f"http://127.0.0.1:{port}/"
@@ -174,7 +173,7 @@ def main(argv=None) -> int:
             break
         except (urllib.error.URLError, OSError):
             if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit(f"dashboard did not start, see {run_dir / 'dashboard.log'}")
+                raise SystemExit(f"dashboard did not start, see {run_dir / 'dashboard.log'}") from None
             time.sleep(0.2)
     rss = RSSSampler(server.pid)
     rss.start()
@@ -301,7 +300,8 @@ def main(argv=None) -> int:
     print(f"{'measure':32s} {'value':>10s} {'target':>10s}  ok")
     for name, (value, target) in summary.items():
         print(f"{name:32s} {value:10.3f} {target:10.3f}  {'yes' if value <= target else 'NO'}")
-    print(f"overview first render in a freshly started browser: {results['overview_first_render_fresh_browser_s']:.2f} s")
+    fresh = results['overview_first_render_fresh_browser_s']
+    print(f"overview first render in a freshly started browser: {fresh:.2f} s")
     print(f"medians: expand {statistics.median(results['expand_ms']):.0f} ms, filter "
           f"{statistics.median(results['filter_ms']):.0f} ms, detail {statistics.median(results['detail_ms']):.0f} ms, "
           f"live {statistics.median(results['live_update_s']):.2f} s")

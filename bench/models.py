@@ -3,11 +3,11 @@ transformer (6 blocks, d=256, seq 128) and a Hugging Face GPT-2 built from a con
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class MLP(nn.Module):

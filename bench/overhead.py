@@ -30,8 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-import probes  # noqa: E402
 from models import registry  # noqa: E402
+
+import probes  # noqa: E402
 
 ALL_CONFIGS = ["bare", "modscope-default", "modscope-every1", "ideal", "wandb", "tensorboard"]
 # not run by default: the floor of any exact per-module statistic (see FloorProbe)
@@ -240,14 +241,16 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=Fa
     med = {c: statistics.median(v) for c, v in times.items()}
     # overhead from paired ratios: each round's block against the bare block next to it, so slow
     # drifts of the machine cancel out
-    over = {c: statistics.median(a / b for a, b in zip(per_round[c], per_round["bare"])) - 1 for c in configs}
+    over = {c: statistics.median(a / b for a, b in zip(per_round[c], per_round["bare"], strict=True)) - 1
+            for c in configs}
     # a configuration that samples now and then (the default budget) costs on a few steps only: a
     # median hides them, so its overhead is the ratio of total times over every step of the run
     total = {c: sum(every_step[c]) / sum(every_step["bare"]) - 1 for c in configs}
     result = {"median_ms": med, "overhead": over, "overhead_total_time": total,
               "n": {c: len(v) for c, v in times.items()}, "self_reported": measured}
     if phases:
-        result["phases_ms"] = {c: [statistics.median(col) for col in zip(*v)] for c, v in phase_ms.items()}
+        result["phases_ms"] = {c: [statistics.median(col) for col in zip(*v, strict=True)]
+                               for c, v in phase_ms.items()}
     return result
 
 
@@ -360,7 +363,8 @@ def main(argv=None) -> int:
                 print("  by phase, median ms (+ over bare): forward | backward | optimizer step + probe")
                 for c in configs:
                     f = r["phases_ms"][c]
-                    print(f"  {c:18s} " + " | ".join(f"{v:7.1f} ({v - b:+6.1f})" for v, b in zip(f, base)))
+                    cells = (f"{v:7.1f} ({v - b:+6.1f})" for v, b in zip(f, base, strict=True))
+                    print(f"  {c:18s} " + " | ".join(cells))
             if args.rss:
                 steps = max(20, args.steps * 2)
                 rb = rss(name, "bare", steps, args.device)

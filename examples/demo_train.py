@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import probes  # noqa: E402
+import probes
 
 
 class Encoder(nn.Module):

@@ -247,6 +247,7 @@ class StepCapture:
             if n >= MAX_CALLS_MEASURED:
                 return
             others: list[torch.Tensor]
+            x: torch.Tensor | None
             if type(output) is torch.Tensor and output.dtype in measure.FLOAT_TYPES and output.numel():
                 x, others = output, []             # the common case, without walking a structure
             else:
@@ -292,7 +293,8 @@ class StepCapture:
         if rec is not self.record or self.closed:
             return
         with self.probe.guard("output-grad-hook"):
-            targets = [mid for mid in rec.grad_targets.get(key, ()) if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED]
+            targets = [mid for mid in rec.grad_targets.get(key, ())
+                       if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED]
             if grad.numel() <= batch.SMALL_OUTPUT:
                 # normed with the others at the end of the step (a copy: autograd may reuse the buffer)
                 rec.small_grads.append((grad.detach().clone(), targets))

@@ -155,8 +155,8 @@ class EventBook:
             self._start_episode(NonFiniteOrigin("activation", view.module_path(first), step, values, affected))
         else:
             tid = grads[-1]                           # the last tensor in forward order gets its gradient first
-            mid = view.tensor_module(tid)
-            path = view.module_path(mid) if mid is not None and view.has_module(mid) else view.tensor_path(tid)
+            owner = view.tensor_module(tid)
+            path = view.module_path(owner) if owner is not None and view.has_module(owner) else view.tensor_path(tid)
             self._start_episode(NonFiniteOrigin("gradient", path, step, len(grads),
                                                 tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
 

@@ -8,7 +8,8 @@ import ctypes
 import dataclasses
 import math
 import sys
-from typing import Any, Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +29,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallelism), else the
     tensor itself. No communication."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t  # type: ignore[no-any-return]
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -344,7 +345,7 @@ class _CallPlan:
     tracked_keys: tuple[int, ...] | None
 
 
-_PLANS: dict[tuple, _CallPlan] = {}
+_PLANS: dict[tuple[tuple[int, ...], tuple[CallLayout, ...]], _CallPlan] = {}
 
 
 def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
@@ -440,8 +441,9 @@ def _call_columns(host: torch.Tensor, calls: list[tuple[int, int, CallLayout, An
     mean = s / plan.numel
     var = d / plan.numel - mean * mean
     # exactly 0 for a constant output (E[x^2] - mean^2 would leave rounding noise); NaN stays NaN
-    std = torch.where(hi == lo, torch.zeros_like(var),
-                      torch.where(var > 0, var.clamp(min=0).sqrt(), torch.where(torch.isnan(var), var, torch.zeros_like(var))))
+    zero = torch.zeros_like(var)
+    spread = torch.where(var > 0, var.clamp(min=0).sqrt(), torch.where(torch.isnan(var), var, zero))
+    std = torch.where(hi == lo, zero, spread)
     nonfinite = torch.where(torch.isnan(plan.known_nonfinite), _pick(host, plan.head_nonfinite, math.nan),
                             plan.known_nonfinite)
     sat = _pick(host, plan.head_sat, NOT_APPLICABLE)
@@ -511,11 +513,14 @@ def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: i
 
 def norm32(t: torch.Tensor) -> torch.Tensor:
     """L2 norm as a float32 scalar, accumulated in at least float32 (any float dtype)."""
+    norm: torch.Tensor
     if t.dtype == torch.float32:
-        return torch.linalg.vector_norm(t)
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return torch.linalg.vector_norm(t, dtype=torch.float32)
-    return torch.linalg.vector_norm(t).to(torch.float32)
+        norm = torch.linalg.vector_norm(t)
+    elif t.dtype in (torch.float16, torch.bfloat16):
+        norm = torch.linalg.vector_norm(t, dtype=torch.float32)
+    else:
+        norm = torch.linalg.vector_norm(t).to(torch.float32)
+    return norm
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
@@ -559,7 +564,7 @@ def _group_norms(group: list[torch.Tensor]) -> torch.Tensor:
         out = torch.empty(len(group), dtype=torch.float32, device=group[0].device)
         for shape, idx in by_shape.items():
             stacked = torch.stack([group[i] for i in idx])
-            if stacked.dtype != torch.float32 and stacked.dtype != torch.float64:
+            if stacked.dtype not in (torch.float32, torch.float64):
                 stacked = stacked.float()
             dims = tuple(range(1, len(shape) + 1))
             sq = stacked.square().sum(dim=dims) if dims else stacked.square()
@@ -657,7 +662,8 @@ class UpdateSampler:
             self._views[id(t)] = (ptr, t.shape, view)
         return view
 
-    def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]) -> tuple[list[int], torch.Tensor, tuple]:
+    def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]
+                ) -> tuple[list[int], torch.Tensor, tuple[int, ...]]:
         """Whole small tensors first, then the blocks of the large ones: one flat copy."""
         views = [self._view(tensors[i]) for i in idx]
         small = [k for k, v in enumerate(views) if v.dim() == 1]

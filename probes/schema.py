@@ -229,7 +229,8 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         "from recording the graph.", event=True),
     FindingCode.NON_FINITE: CodeInfo(
         _E, "NaN/Inf",
-        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype.", event=True),
+        "Lower the learning rate, clip gradients, check for log(0)/division by zero, or use a wider dtype.",
+        event=True),
     FindingCode.FORWARD_BYPASSED: CodeInfo(
         _W, "forward bypassed",
         "Call the module (module(x)), not module.forward(x): calling forward() skips every hook.", event=True),

@@ -69,7 +69,7 @@ def connect_writer(path: str | os.PathLike[str], journal: str = "wal") -> sqlite
                 conn.execute(f"PRAGMA journal_mode={'WAL' if journal == 'wal' else 'DELETE'}")
                 conn.execute("PRAGMA synchronous=NORMAL")   # durable against a killed process; commits are atomic
                 upgrade = "".join(f"ALTER TABLE {table} ADD COLUMN {column} {decl};"
-                                  for table, column, decl in _missing_columns(conn)) if 0 < version else ""
+                                  for table, column, decl in _missing_columns(conn)) if version > 0 else ""
                 conn.executescript(f"BEGIN IMMEDIATE; {DDL}; {upgrade} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
                 return conn
             except sqlite3.OperationalError as exc:

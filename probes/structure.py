@@ -99,9 +99,7 @@ def is_mode_sensitive(module: nn.Module) -> bool:
         return bool(getattr(module, "dropout", 0.0))
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return bool(getattr(module, "track_running_stats", False))
-    if isinstance(module, _MODE_SENSITIVE):
-        return True
-    return False
+    return isinstance(module, _MODE_SENSITIVE)
 
 
 def saturation_kind(module: nn.Module) -> str | None:
@@ -123,7 +121,7 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
 
 
 def is_uninitialized(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+    return nn.parameter.is_lazy(t)
 
 
 def tensor_shape(t: torch.Tensor) -> list[int] | None:
@@ -223,15 +221,13 @@ _CONTAINERS = (list, tuple, collections.deque, collections.abc.Mapping, set, fro
 
 
 def _should_descend(obj: Any) -> bool:
-    if isinstance(obj, _ATOMS) or isinstance(obj, _OPAQUE):
+    if isinstance(obj, (*_ATOMS, *_OPAQUE)):
         return False
-    if isinstance(obj, _CONTAINERS) or isinstance(obj, types.SimpleNamespace):
+    if isinstance(obj, (*_CONTAINERS, types.SimpleNamespace)):
         return True
     mod = type(obj).__module__ or ""
     top = mod.split(".", 1)[0]
-    if top in _SKIP_PACKAGES or (mod in sys.stdlib_module_names and mod not in ("collections", "types")):
-        return False
-    return True
+    return not (top in _SKIP_PACKAGES or (mod in sys.stdlib_module_names and mod not in ("collections", "types")))
 
 
 class _Builder:
@@ -320,6 +316,8 @@ class _Builder:
 
     def _walk_module_attrs(self, node: ModuleNode, seen: set[int]) -> None:
         module = node.module
+        if module is None:          # the watcher has closed
+            return
         attrs = vars(module)
         registered_params = module._parameters
         for name, value in list(attrs.items()):

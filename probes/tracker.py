@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from . import records
 from .findings import Finding, sort_findings
 from .model_index import ModelIndex
-from .store import Op
+from .records import Op
 
 
 @dataclasses.dataclass(frozen=True)

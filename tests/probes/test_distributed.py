@@ -15,8 +15,9 @@ HERE = Path(__file__).resolve().parent
 
 def _worker(rank: int, world: int, init_file: str, run_dir: str, every: int | None = 1, steps: int = 5) -> None:
     sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
-    import probes
     import zoo
+
+    import probes
     # rendezvous through a file: no TCP port to race other tests for
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -2,10 +2,10 @@
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import probes
 import zoo
 from helpers import by_code, codes, train
+
+import probes
 
 
 def xor_batches(n=256):

@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import probes
 import zoo
 
+import probes
 
 EXPECTED = {"shared-parameter"}          # tied weights: an info, said once
 
@@ -85,8 +84,14 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_models():
-    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32))
     bert = BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                                       intermediate_size=64, vocab_size=100, max_position_embeddings=32))

@@ -17,7 +17,7 @@ def stats(x, udim=None, sat=None, activity=None, sample_index=0, window=16, extr
     slot = m.add_call(chunk, layout, "module")
     row = m.fetch(activity, sample_index)[slot]
     assert len(row) == M.CALL_WIDTH
-    head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)]))
+    head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)], strict=False))
     return head, row[len(M.CALL_FIELDS):], activity
 
 
@@ -106,7 +106,7 @@ def test_float_tensors_of_structured_outputs():
         ids: torch.Tensor
     a, b = torch.randn(2), torch.randn(3)
     out = {"x": (a, torch.arange(3)), "y": Out(b, torch.ones(2, dtype=torch.long)), "z": None}
-    assert [t is s for t, s in zip(M.float_tensors(out), [a, b])] == [True, True]
+    assert [t is s for t, s in zip(M.float_tensors(out), [a, b], strict=False)] == [True, True]
     assert M.float_tensors(None) == [] and M.primary([]) is None
 
 
@@ -203,9 +203,9 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch, scalar_reads_free
         values = m.fetch(activity, step)
         for slot, expected in plain:
             assert values[slot] == expected
-        for slot, (x, udim, key) in zip(slots, calls):
+        for slot, (x, udim, key) in zip(slots, calls, strict=False):
             row, ref = values[slot], reference_row(x, udim)
-            head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)]))
+            head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)], strict=False))
             assert head["nonfinite"] == ref["nonfinite"], key
             assert row[len(M.CALL_FIELDS):] == ref["hist"], key
             if ref["nonfinite"]:

@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 import torch.nn.utils.prune as prune
-
-import probes
 import zoo
 from helpers import train
+
+import probes
 from probes import measure
 
 
@@ -99,7 +98,7 @@ def test_losses_bit_identical_with_and_without_watch(make, batch, loss_fn, every
     bare_l, bare_p = run(False)
     watched_l, watched_p = run(True)
     assert torch.equal(bare_l, watched_l)
-    assert all(torch.equal(a, b) for a, b in zip(bare_p, watched_p))
+    assert all(torch.equal(a, b) for a, b in zip(bare_p, watched_p, strict=False))
 
 
 def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypatch):
@@ -409,7 +408,7 @@ def test_external_boundaries_follow_the_integration_not_the_optimizer(run_dir):
 
 
 def test_boundaries_must_be_known(run_dir):
-    with pytest.raises(ValueError, match="boundaries must be one of .* got 'closure'"):
+    with pytest.raises(ValueError, match=r"boundaries must be one of .* got 'closure'"):
         probes.watch(zoo.MLP(), run_dir=run_dir, boundaries="closure")
 
 

@@ -3,10 +3,10 @@ import sqlite3
 
 import pytest
 import torch
-
-import probes
 import zoo
 from helpers import train
+
+import probes
 from probes import session as session_mod
 from probes.sampling import MAX_INTERVAL, SamplingPolicy
 

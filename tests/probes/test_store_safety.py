@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import probes
 import zoo
 from helpers import train
+
+import probes
 from probes.schema import WriterState, parse_store_filename, read_status
 
 ROOT = Path(__file__).resolve().parents[2]
