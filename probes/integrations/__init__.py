@@ -32,8 +32,8 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["LossMean", "WatchOptions", "announce", "guarded", "handles_unscaling", "require", "say_once",
-           "scaler_skips"]
+__all__ = ["LossMean", "WatchOptions", "announce", "calling_trainer", "guarded", "handles_unscaling", "require",
+           "say_once", "scaler_skips"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -168,3 +168,31 @@ class LossMean:
         n = self._n
         out = self.total()
         return None if out is None else out / n
+
+
+# (module defining the Trainer, framework): only looked up in sys.modules
+_TRAINERS = (("lightning.pytorch.trainer.trainer", "lightning"),
+             ("pytorch_lightning.trainer.trainer", "lightning"),
+             ("transformers.trainer", "transformers"))
+MAX_FRAMES = 200
+
+
+def calling_trainer() -> tuple[str, Any] | None:
+    """(framework, Trainer) of the innermost Lightning or transformers Trainer on the call stack."""
+    classes = []
+    for module, framework in _TRAINERS:
+        cls = getattr(sys.modules.get(module), "Trainer", None)
+        if isinstance(cls, type):
+            classes.append((cls, framework))
+    if not classes:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        for cls, framework in classes:
+            if issubclass(type(obj), cls):       # type(), not isinstance: proxies compute __class__
+                return framework, obj
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

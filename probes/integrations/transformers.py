@@ -41,8 +41,7 @@ from typing import Any
 import torch
 
 from ..structure import unwrap
-from . import LossMean, WatchOptions, announce, guarded, require, scaler_skips
-from .zero_code import calling_trainer
+from . import LossMean, WatchOptions, announce, calling_trainer, guarded, require, scaler_skips
 
 __all__ = ["ModscopeCallback", "TrainerWatch"]
 

@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from typing import Any
 
 import torch
 
-__all__ = ["Attached", "attach", "calling_trainer"]
+from . import calling_trainer
 
-# (module defining the Trainer, framework): only looked up in sys.modules
-_TRAINERS = (("lightning.pytorch.trainer.trainer", "lightning"),
-             ("pytorch_lightning.trainer.trainer", "lightning"),
-             ("transformers.trainer", "transformers"))
-MAX_FRAMES = 200
+__all__ = ["Attached", "attach"]
 
 
 @dataclasses.dataclass
@@ -43,27 +38,6 @@ class Attached:
     @property
     def model_name(self) -> str:
         return str(getattr(self.callback._impl, "model_name", "model"))
-
-
-def calling_trainer() -> tuple[str, Any] | None:
-    """(framework, Trainer) of the innermost Lightning or transformers Trainer on the call stack."""
-    classes = []
-    for module, framework in _TRAINERS:
-        cls = getattr(sys.modules.get(module), "Trainer", None)
-        if isinstance(cls, type):
-            classes.append((cls, framework))
-    if not classes:
-        return None
-    frame = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            break
-        obj = frame.f_locals.get("self")
-        for cls, framework in classes:
-            if issubclass(type(obj), cls):       # type(), not isinstance: proxies compute __class__
-                return framework, obj
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 def attach(optimizer: torch.optim.Optimizer, run_dir: str | os.PathLike[str], *, every: int | None,
