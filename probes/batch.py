@@ -2,10 +2,17 @@
 
 A hook that launches a handful of reductions costs far more than they compute when the output is small
 (a 16-wide Linear in a deep stack): each launch has a fixed cost. For outputs of at most SMALL_OUTPUT
-values the hook only keeps a copy; at the end of the step all of them are concatenated and reduced in
-one batch of segment reductions, which produces exactly the raw chunk :func:`probes.measure.call_chunk`
+values the hook only keeps the output; at the end of the step all of them are concatenated and reduced
+in one batch of segment reductions, which produces exactly the raw chunk :func:`probes.measure.call_chunk`
 would have made for each call (sum, sum of squares, NaN/Inf count, saturated fraction, per-unit max and
 min, a strided histogram sample), so everything downstream reads both alike.
+
+Kept, not copied, where that is safe: an output changed in place later in the step (ReLU(inplace=True)
+on a BatchNorm's output, ``out += identity``) would be measured changed. Its version counter says so
+(every in-place op bumps it), so the first sampled step copies every output and notes which modules'
+outputs change after their hook; those are copied from then on, the others only referenced. An output
+found changed without a copy (the model took another path) is not measured that step, and its module
+is copied from then on: a statistic is missing, never wrong.
 
 The index tensors of a batch depend only on the step's arrangement of calls (their sizes and unit
 counts), which a model repeats from sampled step to sampled step: they are built once and reused.
@@ -29,17 +36,27 @@ class SmallCall(NamedTuple):
     """A copy of one small output (a NamedTuple: one is made per module call). Value i of the flattened
     copy belongs to unit (i // inner) % units, so the histogram samples the very values call_chunk would."""
 
-    values: torch.Tensor      # a copy of the output (any float dtype, its own shape)
+    values: torch.Tensor      # the output, or a copy of it (any float dtype, its own shape)
     units: int
     inner: int                # the stride of the unit dimension
     track: bool               # per-unit activity is tracked (dead units)
     sat: str | None           # 'tanh' | 'sigmoid' | None
+    source: torch.Tensor | None   # the output itself while its version is watched, else None
+    version: int              # the output's version counter at the hook
+
+    def changed(self) -> bool:
+        """The output was changed in place after its hook."""
+        return self.source is not None and self.source._version != self.version
+
+    def lost(self) -> bool:
+        """Changed in place and not copied: what is kept is no longer what the module returned."""
+        return self.source is not None and self.values is self.source and self.source._version != self.version
 
 
-def keep(x: torch.Tensor, udim: int, sat_kind: str | None) -> SmallCall:
-    """The copy a hook keeps. A copy, not a reference: in-place operations later in the step
-    (ReLU(inplace=True), a residual add) must not change what is measured. Only the copy is made
-    here (one op); flattening and the float32 conversion happen in the batch."""
+def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch: bool) -> SmallCall:
+    """What a hook keeps: the output itself, or a copy (``copy``) where an in-place operation later in
+    the step would change it; with ``watch`` its version is checked at the end of the step. Only the copy
+    is made here (one op); flattening and the float32 conversion happen in the batch."""
     shape = x.shape
     ndim = len(shape)
     if ndim == 0:
@@ -49,8 +66,9 @@ def keep(x: torch.Tensor, udim: int, sat_kind: str | None) -> SmallCall:
     else:
         d = udim % ndim
         units, inner, track = shape[d], math.prod(shape[d + 1:]), True
-    return SmallCall(x.detach().clone(memory_format=torch.contiguous_format), units, inner, track,
-                     sat_kind if sat_kind in ("tanh", "sigmoid") else None)
+    values = x.detach().clone(memory_format=torch.contiguous_format) if copy else x
+    return SmallCall(values, units, inner, track, sat_kind if sat_kind in ("tanh", "sigmoid") else None,
+                     x if watch else None, x._version)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import batch, measure
-from .guard import ProbeRuntime
+from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
@@ -120,6 +121,15 @@ class StepCapture:
         self.compiled = compiled
         self.updates = measure.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}
+        # small outputs are referenced, not copied, unless their module's output is changed in place
+        # later in the step (learnt on the first sampled step, which copies all: probes.batch)
+        self._learning = True
+        self._copy_outputs: set[int] = set()
+
+    def learn_in_place(self, changed: set[int]) -> None:
+        """After a sampled step's fetch started: the modules whose small outputs changed after their hook."""
+        self._learning = False
+        self._copy_outputs |= changed
 
     def clear(self) -> None:
         """Drop cached views of the model's tensors (the index is being rebuilt or the watcher closes)."""
@@ -205,88 +215,116 @@ class StepCapture:
         rec, index = self.record, self.index
         if rec is None or index is None or self.closed:
             return
-        with self.probe.guard("forward-pre-hook"):
-            mid = index.module_ids.get(id(module))
-            if mid is None and id(module) in index.wrappers:
-                return                # a wrapper inside the model (an FSDP unit): its module is what counts
-            if mid == index.root_id:
-                rec.stack = [mid]
-                rec.root_training = module.training
-                return
-            if mid is None:
-                if not rec.stack:
-                    return            # a module of another model
-                mid, node = self.runtime_modules.discover(module, rec.stack[-1], index, rec.sightings,
-                                                          self.probe.step)
-                if node is not None:
-                    self.on_new_module(node)
-            rec.stack.append(mid)
+        self._guarded("forward-pre-hook", self._pre_forward, rec, index, module)
+
+    def _guarded(self, location: str, body: Callable[..., None], *args: Any) -> None:
+        """probes.guard's Guard as a plain call: the forward hooks run on every module call of a sampled step,
+        where making, entering and leaving a guard object costs about a tenth of the hook."""
+        rt = self.probe
+        t0 = time.perf_counter()
+        rt.depth += 1
+        try:
+            body(*args)
+        except Exception as exc:
+            rt.errors.record(location, exc, rt.step)
+            if RAISE_PROBE_ERRORS:
+                raise
+        finally:
+            rt.depth -= 1
+            if rt.depth == 0:
+                rt.probe_s += max(0.0, time.perf_counter() - max(t0, rt.step_t0))
+
+    def _pre_forward(self, rec: StepRecord, index: ModelIndex, module: nn.Module) -> None:
+        mid = index.module_ids.get(id(module))
+        if mid is None and id(module) in index.wrappers:
+            return                # a wrapper inside the model (an FSDP unit): its module is what counts
+        if mid == index.root_id:
+            rec.stack = [mid]
+            rec.root_training = module.training
+            return
+        if mid is None:
+            if not rec.stack:
+                return            # a module of another model
+            mid, node = self.runtime_modules.discover(module, rec.stack[-1], index, rec.sightings,
+                                                      self.probe.step)
+            if node is not None:
+                self.on_new_module(node)
+        rec.stack.append(mid)
 
     def on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         rec, index = self.record, self.index
         if rec is None or index is None or self.closed or not rec.stack:
             return
-        with self.probe.guard("forward-hook"):
-            mid = index.module_ids.get(id(module))
+        self._guarded("forward-hook", self._forward, rec, index, module, output)
+
+    def _forward(self, rec: StepRecord, index: ModelIndex, module: nn.Module, output: Any) -> None:
+        mid = index.module_ids.get(id(module))
+        if mid is None:
+            if id(module) in index.wrappers:
+                return
+            mid = self.runtime_modules.lookup(module, rec.sightings)
             if mid is None:
-                if id(module) in index.wrappers:
-                    return
-                mid = self.runtime_modules.lookup(module, rec.sightings)
-                if mid is None:
-                    return
-            if mid not in rec.stack:
                 return
-            while rec.stack and rec.stack.pop() != mid:
-                pass
-            n = rec.calls.get(mid, 0)
-            rec.calls[mid] = n + 1
-            training = module.training
-            grad_on = torch.is_grad_enabled()
-            if rec.root_training is not None and mid in index.mode_relevant:
-                rec.modes[mid] = (training, rec.root_training)
-            if n >= MAX_CALLS_MEASURED:
+        if mid not in rec.stack:
+            return
+        while rec.stack and rec.stack.pop() != mid:
+            pass
+        n = rec.calls.get(mid, 0)
+        rec.calls[mid] = n + 1
+        training = module.training
+        grad_on = torch.is_grad_enabled()
+        if rec.root_training is not None and mid in index.mode_relevant:
+            rec.modes[mid] = (training, rec.root_training)
+        if n >= MAX_CALLS_MEASURED:
+            return
+        others: list[torch.Tensor]
+        x: torch.Tensor | None
+        if type(output) is torch.Tensor and output.dtype in measure.FLOAT_TYPES and output.numel():
+            x, others = output, []             # the common case, without walking a structure
+        else:
+            tensors = measure.float_tensors(output)
+            x = measure.primary(tensors)
+            if x is None:
                 return
-            others: list[torch.Tensor]
-            x: torch.Tensor | None
-            if type(output) is torch.Tensor and output.dtype in measure.FLOAT_TYPES and output.numel():
-                x, others = output, []             # the common case, without walking a structure
+            others = [t for t in tensors if t is not x]
+        rec.order += 1
+        numel = x.numel()
+        # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
+        # a child returned: measure it once and share the row
+        key: OutputKey = (id(x), x._version, x.data_ptr(), x.shape)
+        seen = rec.measured.get(key)
+        if seen is not None and not others and seen[1]() is x:
+            rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel))
+            if key in rec.grad_targets:
+                rec.grad_targets[key].append(mid)
+            return
+        udim = self._unit_dims.get((mid, x.dim()))
+        if udim is None:
+            udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
+        if numel <= batch.SMALL_OUTPUT and not others:
+            # a copy now, reduced with the step's other small outputs at its end (one batch of kernels)
+            if self._learning:
+                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
+                                                       copy=True, watch=True)
+            elif mid in self._copy_outputs:
+                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid, copy=True)
             else:
-                tensors = measure.float_tensors(output)
-                x = measure.primary(tensors)
-                if x is None:
-                    return
-                others = [t for t in tensors if t is not x]
-            rec.order += 1
-            numel = x.numel()
-            # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
-            # a child returned: measure it once and share the row
-            key: OutputKey = (id(x), x._version, x.data_ptr(), x.shape)
-            seen = rec.measured.get(key)
-            if seen is not None and not others and seen[1]() is x:
-                rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel))
-                if key in rec.grad_targets:
-                    rec.grad_targets[key].append(mid)
-                return
-            udim = self._unit_dims.get((mid, x.dim()))
-            if udim is None:
-                udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
-            if numel <= batch.SMALL_OUTPUT and not others:
-                # a copy now, reduced with the step's other small outputs at its end (one batch of kernels)
-                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid)
+                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
+                                                       copy=False, watch=True)
+        else:
+            chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
+            slot = rec.measurements.add_call(chunk, layout, mid)
+        rec.measured[key] = (slot, weakref.ref(x))
+        rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel))
+        if grad_on and x.requires_grad:
+            rec.grad_targets[key] = [mid]
+            if numel <= batch.SMALL_OUTPUT and x.grad_fn is not None:
+                # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
+                # one); read, normed with the others and dropped at the end of the step
+                x.retain_grad()
+                rec.retained.append((x, key))
             else:
-                chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
-                slot = rec.measurements.add_call(chunk, layout, mid)
-            rec.measured[key] = (slot, weakref.ref(x))
-            rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel))
-            if grad_on and x.requires_grad:
-                rec.grad_targets[key] = [mid]
-                if numel <= batch.SMALL_OUTPUT and x.grad_fn is not None:
-                    # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
-                    # one); read, normed with the others and dropped at the end of the step
-                    x.retain_grad()
-                    rec.retained.append((x, key))
-                else:
-                    x.register_hook(self._output_grad_hook(rec, key))
+                x.register_hook(self._output_grad_hook(rec, key))
 
     # ====================================================================== backward
     def on_output_grad(self, rec: StepRecord, key: OutputKey, grad: torch.Tensor) -> None:

@@ -75,7 +75,10 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     """One entry per module measured in the step; several calls are aggregated (mean of means, max of
     abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest)."""
     cols = ModuleColumns(step)
-    for mid, calls in rec.rows.items():
+    for mid, all_calls in rec.rows.items():
+        calls = [k for k in all_calls if values.has(k.slot)]
+        if not calls:
+            continue                    # its only output was changed in place before it could be read
         first = calls[0]
         c, i = values.call(first.slot)
         if len(calls) == 1:                                  # the common case: one call

@@ -144,6 +144,7 @@ class StepMeasurements:
         self._chunks: list[torch.Tensor | None] = []       # None: a slot whose values come from a batch
         self._calls: dict[int, tuple[CallLayout, Any]] = {}
         self._small: list[tuple[int, batch.SmallCall, Any]] = []     # reduced together at the end
+        self.changed_keys: set[Any] = set()     # after start_fetch: keys whose small outputs changed in place
 
     def add(self, vec: torch.Tensor) -> int:
         self._chunks.append(vec.detach())
@@ -156,12 +157,14 @@ class StepMeasurements:
         self._calls[slot] = (layout, key)
         return slot
 
-    def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None) -> int:
-        """A small output (batch.SMALL_OUTPUT values at most): kept now, reduced with the others at the end
-        of the step; its fetched value is a CALL_WIDTH row like :meth:`add_call`'s."""
+    def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None, *,
+                       copy: bool = True, watch: bool = False) -> int:
+        """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.batch.keep`),
+        reduced with the others at the end of the step; its fetched value is a CALL_WIDTH row like
+        :meth:`add_call`'s, or none when it was changed in place without a copy (:meth:`Fetched.has`)."""
         self._chunks.append(None)
         slot = len(self._chunks) - 1
-        self._small.append((slot, batch.keep(x, udim, sat_kind), key))
+        self._small.append((slot, batch.keep(x, udim, sat_kind, copy=copy, watch=watch), key))
         return slot
 
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
@@ -179,8 +182,14 @@ class StepMeasurements:
             if c is not None:
                 (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
         batches: dict[torch.device, list[tuple[int, batch.SmallCall, Any]]] = {}
+        self.changed_keys = set()
         for item in self._small:
-            batches.setdefault(item[1].values.device, []).append(item)
+            call = item[1]
+            if call.source is not None and call.changed():
+                self.changed_keys.add(item[2])
+                if call.lost():
+                    continue                 # not what the module returned: no row this step
+            batches.setdefault(call.values.device, []).append(item)
         groups = []
         for device in dict.fromkeys([*plain, *single, *batches]):
             parts: list[torch.Tensor] = []
@@ -198,7 +207,8 @@ class StepMeasurements:
                 pos += parts[-1].numel()
             items = batches.get(device)
             if items:
-                chunk, specs, sizes, known = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
+                with torch.no_grad():        # kept outputs may require grad: the batch records no graph
+                    chunk, specs, sizes, known = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
                 parts.append(chunk)
                 for (slot, _, key), spec, size in zip(items, specs, sizes, strict=True):
                     call_slots.append((slot, pos, CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
@@ -300,6 +310,10 @@ class Fetched:
     def call(self, slot: int) -> tuple[CallColumns, int]:
         c, i = self._where[slot]
         return self.columns[c], i
+
+    def has(self, slot: int) -> bool:
+        """The call in ``slot`` was measured (an output changed in place after its hook was not)."""
+        return slot in self._where
 
     def rows(self) -> list[list[float]]:
         out = list(self.plain)

@@ -342,6 +342,7 @@ class Watcher:
         rec = self._capture.finish()
         loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
         fetch = rec.measurements.start_fetch()      # the one host copy of this step
+        self._capture.learn_in_place(rec.measurements.changed_keys)
         if fetch.deferred:
             # non-blocking on an accelerator: read at a later step boundary, once it has landed
             self._unread = UnreadSample(step, rec, fetch, loss_slots, self._probe.step)
