@@ -30,8 +30,8 @@ TORCH_HINT = ("modscope's probes need PyTorch (>= 2.4), which is not installed: 
 
 # public name -> the submodule that defines it
 _LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings",
-         "CODES": ".findings", "SCHEMA_VERSION": ".schema", "STORE_FILENAME": ".schema", "show": ".notebook"}
-_TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION", "STORE_FILENAME"}
+         "CODES": ".findings", "SCHEMA_VERSION": ".schema", "show": ".notebook"}
+_TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION"}
 
 
 def _torch_missing() -> bool:

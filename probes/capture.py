@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import batch, measure
+from . import batch, measure, tensor_stats
 from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
@@ -34,7 +34,7 @@ _HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
 
 OutputKey = tuple[int, int, int, tuple[int, ...]]       # id, _version, data_ptr, shape of a module output
-UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # measure.UpdateSampler.take()
+UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # tensor_stats.UpdateSampler.take()
 
 
 class CallRecord(NamedTuple):
@@ -119,7 +119,7 @@ class StepCapture:
         self.record: StepRecord | None = None
         self.closed = False
         self.compiled = compiled
-        self.updates = measure.UpdateSampler()
+        self.updates = tensor_stats.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}
         # small outputs are referenced, not copied, unless their module's output is changed in place
         # later in the step (learnt on the first sampled step, which copies all: probes.batch)
@@ -339,7 +339,7 @@ class StepCapture:
                 for mid in targets:
                     rec.out_grads.setdefault(mid, []).append(TensorSlot(-1, len(rec.small_grads) - 1))
                 return
-            slot = rec.measurements.add(measure.norm32(grad.detach()))
+            slot = rec.measurements.add(tensor_stats.norm32(grad.detach()))
             for mid in targets:
                 rec.out_grads.setdefault(mid, []).append(TensorSlot(slot, 0))
 
@@ -352,11 +352,11 @@ class StepCapture:
                 return
             rec.arrived.add(tensor_id)
             if self.replicas:         # this rank's own gradient: the hook runs before any all-reduce
-                rec.local_grads[tensor_id] = rec.measurements.add(measure.norm32(measure.local(grad).detach()))
+                rec.local_grads[tensor_id] = rec.measurements.add(tensor_stats.norm32(measure.local(grad).detach()))
             node = index.tensors.get(tensor_id)
             existing = index.grad(tensor_id) if node is not None else None
             if existing is not None:
-                rec.stale[tensor_id] = rec.measurements.add(measure.norm32(existing.detach()))
+                rec.stale[tensor_id] = rec.measurements.add(tensor_stats.norm32(existing.detach()))
 
     # ====================================================================== optimizer steps
     def before_optimizer_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
@@ -406,7 +406,7 @@ class StepCapture:
                 rec.out_grads.setdefault(mid, []).append(TensorSlot(-1, len(rec.small_grads) - 1))
         rec.retained.clear()
         if rec.small_grads:
-            norms = measure.norms([g for g, _ in rec.small_grads])
+            norms = tensor_stats.norms([g for g, _ in rec.small_grads])
             assert norms is not None
             slot = rec.measurements.add(norms)
             for mid, slots in rec.out_grads.items():
@@ -425,14 +425,14 @@ class StepCapture:
         parameter and buffer, and the data norm of the buffers (the parameters' comes at the optimizer step)."""
         tids = index.fingerprint_tensors()
         for group in _by_device(index, tids):
-            vec = measure.fingerprints([index.tensor(t) for t in group])
+            vec = tensor_stats.fingerprints([index.tensor(t) for t in group])
             assert vec is not None
             slot = rec.measurements.add(vec)
             for pos, tid in enumerate(group):
                 rec.fingerprints[tid] = TensorSlot(slot, pos)
         buffers = [t for t in tids if index.tensors[t].kind == TensorKind.BUFFER]
         if buffers:
-            norms = measure.norms([index.tensor(t) for t in buffers])
+            norms = tensor_stats.norms([index.tensor(t) for t in buffers])
             assert norms is not None
             slot = rec.measurements.add(norms)
             for pos, tid in enumerate(buffers):
@@ -445,14 +445,14 @@ class StepCapture:
         grads = {t: index.grad(t) for t in have}
         with_grad = [t for t in have if grads[t] is not None]
         if with_grad:
-            vec = measure.norms([grads[t] for t in with_grad])  # type: ignore[misc]
+            vec = tensor_stats.norms([grads[t] for t in with_grad])  # type: ignore[misc]
             assert vec is not None
             slot = rec.measurements.add(vec)
             for pos, tid in enumerate(with_grad):
                 rec.grads[tid] = TensorSlot(slot, pos)
         rest = [t for t in have if t not in rec.data]
         if rest:
-            vec = measure.norms([index.tensor(t) for t in rest])
+            vec = tensor_stats.norms([index.tensor(t) for t in rest])
             assert vec is not None
             slot = rec.measurements.add(vec)
             for pos, tid in enumerate(rest):
@@ -477,7 +477,7 @@ class StepCapture:
         else:
             check = list(range(len(tids)))
         if check:
-            post = measure.norms([after[pos] for pos in check])
+            post = tensor_stats.norms([after[pos] for pos in check])
             assert post is not None
             post_slot = rec.measurements.add(post)
             for i, pos in enumerate(check):

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
-from . import measure
+from . import tensor_stats
 from .capture import StepRecord, TensorSlot
 from .measure import Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
@@ -129,7 +129,7 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callabl
         data, update = pick(rec.data, tid), pick(rec.updates, tid)
         if update is not None:
             numel = numel_of(tid)
-            k = measure.sample_size(numel)
+            k = tensor_stats.sample_size(numel)
             update *= math.sqrt(numel / k) if k else 0.0
             post = pick(rec.post, tid)
             if update == 0.0 and post is not None and data is not None and post != data:

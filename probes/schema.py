@@ -35,42 +35,12 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = [
-    "CODES",
-    "DDL",
-    "EVENT_CODES",
-    "HIST_BINS",
-    "HIST_EDGES",
-    "LEGACY_STORE_FILENAME",
-    "MIN_READ_VERSION",
-    "SCHEMA_VERSION",
-    "SEVERITY_ORDER",
-    "STORE_FILENAME",
-    "TABLES",
-    "CodeInfo",
-    "FindingCode",
-    "ModuleKind",
-    "RunStatus",
-    "Severity",
-    "StoreName",
-    "StrEnum",
-    "TensorKind",
-    "WriterState",
-    "WriterStatus",
-    "code_label",
-    "decode_hist",
-    "display_path",
-    "encode_hist",
-    "encode_status",
-    "module_path_candidates",
-    "normalize_path",
-    "parse_store_filename",
-    "read_status",
-    "runtime_label",
-    "snapshot",
-    "status_path",
-    "store_filename",
-]
+__all__ = ["CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
+           "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
+           "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
+           "decode_hist", "display_path", "encode_hist", "encode_status", "module_path_candidates",
+           "normalize_path", "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path",
+           "store_filename"]
 
 SCHEMA_VERSION = 2
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -79,7 +49,6 @@ MIN_READ_VERSION = 1          # the oldest store version readers still open
 # A run directory holds one store per (run, rank): ``modscope-<run_id>-rank<R>.sqlite``, each with a
 # single writer. Version 1 wrote every rank of one run into ``modscope.sqlite``; readers still open it.
 LEGACY_STORE_FILENAME = "modscope.sqlite"
-STORE_FILENAME = LEGACY_STORE_FILENAME       # kept for older imports; new stores use store_filename()
 STORE_PREFIX = "modscope-"
 STORE_SUFFIX = ".sqlite"
 LOCK_SUFFIX = ".lock"         # <store>.lock: the live writer's pid and host (two writers are refused)

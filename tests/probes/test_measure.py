@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from probes import measure as M
+from probes import tensor_stats as TS
 from probes.schema import HIST_BINS, HIST_EDGES
 
 
@@ -119,18 +120,18 @@ def test_fetch_copies_once_per_device_in_order():
 
 def test_norms_and_sampled_update_norms():
     ts = [torch.randn(5), torch.randn(3, 3), torch.randn(2).double(), torch.randn(100, 1000)]
-    n = M.norms(ts)
+    n = TS.norms(ts)
     assert torch.allclose(n, torch.stack([t.norm().float() for t in ts]))
-    sampler = M.UpdateSampler()
+    sampler = TS.UpdateSampler()
     before = sampler.take(ts)
     assert [len(lengths) for _, _, lengths in before] == [3, 1]               # float32 and float64 groups
-    assert before[0][2] == (5, 9, M.sample_size(100_000)) and M.sample_size(100_000) <= 4096
+    assert before[0][2] == (5, 9, TS.sample_size(100_000)) and TS.sample_size(100_000) <= 4096
     with torch.no_grad():
         ts[0].add_(1.0)
         ts[3].add_(0.5)
     d = sampler.delta_norms(ts, before).tolist()
     assert d[:3] == pytest.approx([math.sqrt(5), 0.0, 0.0])
-    k = M.sample_size(100_000)
+    k = TS.sample_size(100_000)
     estimate = d[3] * math.sqrt(100_000 / k)
     assert estimate == pytest.approx(0.5 * math.sqrt(100_000), rel=1e-4)
 
@@ -140,7 +141,7 @@ def test_update_sampler_follows_replaced_storage_and_non_contiguous_tensors():
     (``p.data = ...``) and a transposed (non-contiguous) parameter."""
     p = torch.nn.Parameter(torch.zeros(64, 32))
     t = torch.nn.Parameter(torch.zeros(32, 64).t())              # non-contiguous
-    sampler = M.UpdateSampler()
+    sampler = TS.UpdateSampler()
     for step in range(3):
         before = sampler.take([p, t])
         with torch.no_grad():
@@ -150,8 +151,8 @@ def test_update_sampler_follows_replaced_storage_and_non_contiguous_tensors():
                 p.add_(1.0)
             t.add_(2.0)
         d = sampler.delta_norms([p, t], before).tolist()
-        assert d[0] == pytest.approx((5.0 - step if step == 1 else 1.0) * math.sqrt(M.sample_size(p.numel())))
-        assert d[1] == pytest.approx(2.0 * math.sqrt(M.sample_size(t.numel())))
+        assert d[0] == pytest.approx((5.0 - step if step == 1 else 1.0) * math.sqrt(TS.sample_size(p.numel())))
+        assert d[1] == pytest.approx(2.0 * math.sqrt(TS.sample_size(t.numel())))
 
 
 def test_histogram_leaves_out_nan_and_inf():

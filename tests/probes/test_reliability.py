@@ -471,9 +471,8 @@ def test_outputs_changed_in_place_later_are_measured_as_returned_or_not_at_all(r
     values."""
     model = LaterInPlace()
     returned = {"always": [], "sometimes": []}
-    for name in returned:
-        getattr(model, name).register_forward_hook(
-            lambda m, i, o, name=name: returned[name].append(o.detach().clone()))
+    for name, outs in returned.items():
+        getattr(model, name).register_forward_hook(lambda m, i, o, outs=outs: outs.append(o.detach().clone()))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
         for step in range(6):

@@ -1,0 +1,223 @@
+"""Per-tensor statistics of a sampled step, reduced on the tensor's device: L2 norms of many tensors at
+once (gradients, data), the fingerprints replicas must agree on, and the update sampler that compares a
+fixed sample of each tensor across ``optimizer.step()``. Index tensors are made once per layout and kept
+until :func:`release_caches`."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step() for the update norm
+
+
+def norm32(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a float32 scalar, accumulated in at least float32 (any float dtype)."""
+    norm: torch.Tensor
+    if t.dtype == torch.float32:
+        norm = torch.linalg.vector_norm(t)
+    elif t.dtype in (torch.float16, torch.bfloat16):
+        norm = torch.linalg.vector_norm(t, dtype=torch.float32)
+    else:
+        norm = torch.linalg.vector_norm(t).to(torch.float32)
+    return norm
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    if all(t.dtype == dtype and t.device == device for t in tensors):     # the common case, without a dict
+        yield list(range(len(tensors))), list(tensors)
+        return
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_key.setdefault((t.device, t.dtype), []).append(i)
+    for idx in by_key.values():
+        yield idx, [tensors[i] for i in idx]
+
+
+_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """Index tensors on the device, made once (a host-to-device copy per step would be a sync)."""
+    key = (tuple(idx), device)
+    t = _INDEX.get(key)
+    if t is None:
+        if len(_INDEX) > 256:
+            _INDEX.clear()
+        t = _INDEX[key] = torch.tensor(idx, device=device)
+    return t
+
+
+SMALL_NORM = 4096        # tensors of at most this many values are normed together (one reduction for all)
+
+
+def _group_norms(group: list[torch.Tensor]) -> torch.Tensor:
+    """Norms of tensors of one device and dtype, as float32 (accumulated in at least float32)."""
+    if len(group) > 8 and all(t.numel() <= SMALL_NORM for t in group):
+        # many small tensors: stacked by shape, one reduction per shape beats a kernel (or a foreach entry,
+        # or a flattening view) per tensor
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, t in enumerate(group):
+            by_shape.setdefault(t.shape, []).append(i)
+        out = torch.empty(len(group), dtype=torch.float32, device=group[0].device)
+        for shape, idx in by_shape.items():
+            stacked = torch.stack([group[i] for i in idx])
+            if stacked.dtype not in (torch.float32, torch.float64):
+                stacked = stacked.float()
+            dims = tuple(range(1, len(shape) + 1))
+            sq = stacked.square().sum(dim=dims) if dims else stacked.square()
+            out[_index(idx, out.device)] = sq.sqrt_().to(torch.float32)
+        return out
+    if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
+        return torch.stack(torch._foreach_norm(group))
+    return torch.stack([norm32(t) for t in group])
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """L2 norms of many tensors as one float32 vector on the first tensor's device."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    groups = list(_groups(tensors))
+    with torch.no_grad():
+        if len(groups) == 1:
+            return _group_norms(groups[0][1])
+        out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+        for idx, group in groups:
+            out[_index(idx, device)] = _group_norms(group).to(device)
+    return out
+
+
+FINGERPRINT_VALUES = 16       # values summed into a tensor's fingerprint (replicas must agree on it)
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Per tensor, the sum of up to FINGERPRINT_VALUES evenly strided values (in float64, returned as
+    float32): cheap, and identical on replicas that hold identical tensors. One vector on the first
+    tensor's device."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    parts, lengths = [], []
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            n = flat.numel()
+            k = min(FINGERPRINT_VALUES, n)
+            stride = max(1, n // max(k, 1))
+            parts.append(flat[:stride * k:stride].to(device=device, dtype=torch.float64))
+            lengths.append(k)
+        seg = _segment_ids(tuple(lengths), device)
+        sums = torch.zeros(len(tensors), dtype=torch.float64, device=device).index_add_(0, seg, torch.cat(parts))
+    return sums.to(torch.float32)
+
+
+UPDATE_BLOCK = 64             # the update sample is UPDATE_SAMPLE // UPDATE_BLOCK contiguous blocks
+
+
+def _update_view(t: torch.Tensor) -> torch.Tensor:
+    """The update sample of ``t`` as a view: the whole tensor (1-D) when it has at most
+    UPDATE_SAMPLE values, else evenly spaced contiguous blocks (2-D, UPDATE_BLOCK wide). Blocks,
+    not single strided values: a value every few kilobytes costs a cache line each, and the
+    copy would read as much memory as the whole tensor."""
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n <= UPDATE_SAMPLE:
+        return flat
+    blocks = UPDATE_SAMPLE // UPDATE_BLOCK
+    return flat.as_strided((blocks, UPDATE_BLOCK), (n // blocks, 1))
+
+
+def sample_size(numel: int) -> int:
+    """How many values the update sample takes from a tensor of ``numel`` values."""
+    return max(0, numel) if numel <= UPDATE_SAMPLE else (UPDATE_SAMPLE // UPDATE_BLOCK) * UPDATE_BLOCK
+
+
+class UpdateSampler:
+    """Up to UPDATE_SAMPLE values of each tensor (the whole tensor when it is that small),
+    copied before an optimizer step and compared after it: enough to estimate an update's norm
+    without cloning the model.
+
+    The views are cached: optimizers update parameters in place, so a view sees every step,
+    and a step costs a few concatenations per (device, dtype) instead of a few small ops per
+    tensor. A tensor whose storage changed (``p.data = ...``) or that is not contiguous (its
+    flat view would be a copy) gets a fresh view. ``clear()`` drops the cache (the watcher does on
+    every structure rebuild, so no view outlives the model's own tensors)."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[int, torch.Size, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._views.clear()
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr()
+        entry = self._views.get(id(t))
+        if entry is not None and entry[0] == ptr and entry[1] == t.shape:
+            return entry[2]
+        view = _update_view(t)
+        if t.is_contiguous():
+            self._views[id(t)] = (ptr, t.shape, view)
+        return view
+
+    def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]
+                ) -> tuple[list[int], torch.Tensor, tuple[int, ...]]:
+        """Whole small tensors first, then the blocks of the large ones: one flat copy."""
+        views = [self._view(tensors[i]) for i in idx]
+        small = [k for k, v in enumerate(views) if v.dim() == 1]
+        large = [k for k, v in enumerate(views) if v.dim() == 2]
+        parts = []
+        if small:
+            parts.append(torch.cat([views[k] for k in small]))
+        if large:
+            parts.append(torch.cat([views[k] for k in large]).reshape(-1))
+        order = small + large
+        return ([idx[k] for k in order], parts[0] if len(parts) == 1 else torch.cat(parts),
+                tuple(views[k].numel() for k in order))
+
+    def take(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor, tuple[int, ...]]]:
+        """The sampled values now: (tensor positions, one flat copy, sample sizes) per group."""
+        with torch.no_grad():
+            return [self._gather(tensors, idx) for idx, _ in _groups(tensors)]
+
+    def delta_norms(self, tensors: Sequence[torch.Tensor],
+                    taken: list[tuple[list[int], torch.Tensor, tuple[int, ...]]]) -> torch.Tensor | None:
+        """||now - taken|| per tensor on the sampled values, as one float32 vector on the first
+        tensor's device (scale by sqrt(numel / sample_size) for an estimate of the whole)."""
+        if not tensors:
+            return None
+        device = tensors[0].device
+        out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for idx, before, lengths in taken:
+                idx_now, now, lengths_now = self._gather(tensors, idx)
+                if lengths_now != lengths or idx_now != idx:
+                    raise ValueError(f"sampled sizes changed during the step: {lengths} -> {lengths_now}")
+                diff = now.float()
+                diff.sub_(before)
+                seg = _segment_ids(lengths, diff.device)
+                sq = torch.zeros(len(idx), dtype=torch.float32, device=diff.device).index_add_(0, seg, diff * diff)
+                out[_index(idx, device)] = sq.sqrt_().to(device)
+        return out
+
+
+_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def release_caches() -> None:
+    _INDEX.clear()
+    _SEGMENTS.clear()
+
+
+def _segment_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[0]*lengths[0] + [1]*lengths[1] + ... on the device, made once per layout."""
+    key = (lengths, device)
+    t = _SEGMENTS.get(key)
+    if t is None:
+        if len(_SEGMENTS) > 64:
+            _SEGMENTS.clear()
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        t = _SEGMENTS[key] = torch.repeat_interleave(torch.arange(len(lengths)), lens).to(device)
+    return t
