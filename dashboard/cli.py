@@ -24,6 +24,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from probes.schema import every_option, overhead_option
+
 if TYPE_CHECKING:
     from .server import AppConfig
 
@@ -430,26 +432,6 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer (sample every N-th step)")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1], such as 0.01 for 1%")
-    return value
-
-
 def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
     """``modscope run``: the script runs in a child process (``python -m probes.autorun``), so that
     this process never imports torch and the dashboard (``--serve``) never enters the training."""
@@ -459,8 +441,8 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
                        "second which optimizers step together. Everything after the script goes to it.")
     p.add_argument("--run-dir", metavar="DIR", help="where the stores go (default: a new ./runs/<time>)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--every", type=_positive_int, metavar="N", help="sample every N-th step")
-    rate.add_argument("--overhead", type=_fraction, default=0.01, metavar="F",
+    rate.add_argument("--every", type=every_option, metavar="N", help="sample every N-th step")
+    rate.add_argument("--overhead", type=overhead_option, default=0.01, metavar="F",
                       help="overhead budget when --every is not given (default 0.01 = 1%%)")
     p.add_argument("--serve", action="store_true",
                    help="also serve the dashboard on the run (127.0.0.1); it stays up after the training "

@@ -32,6 +32,8 @@ import types
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .schema import every_option, overhead_option
+
 USAGE = ("python -m probes.autorun --run-dir DIR [--every N | --overhead F] -- "
          "(script.py | -m package.module) [ARGS...]")
 
@@ -39,26 +41,6 @@ USAGE = ("python -m probes.autorun --run-dir DIR [--every N | --overhead F] -- "
 def _fail(msg: str) -> NoReturn:
     print(f"modscope run: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer (sample every N-th step)")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1], such as 0.01 for 1%")
-    return value
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -69,8 +51,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m probes.autorun", usage=USAGE)
     p.add_argument("--run-dir", required=True, metavar="DIR")
-    p.add_argument("--every", type=_positive_int, default=None, metavar="N")
-    p.add_argument("--overhead", type=_fraction, default=0.01, metavar="F")
+    p.add_argument("--every", type=every_option, default=None, metavar="N")
+    p.add_argument("--overhead", type=overhead_option, default=0.01, metavar="F")
     opts = p.parse_args(argv[:cut])
     target = argv[cut + 1:]
     if not target or (target[0] == "-m" and len(target) < 2):

@@ -1,17 +1,16 @@
 """The run store's schema: the only contract between ``probes`` (the writer) and ``dashboard`` (the reader).
 
-Everything both sides must agree on lives here and nowhere else: the DDL and its version, the file
-names of a run directory, the tables, the finding codes with their severities and badge labels, the
-closed sets of string values, and the grammar of module and tensor paths. This module imports the
-standard library only (never torch): the dashboard imports it on machines without torch.
-
-Versioned with ``PRAGMA user_version``. Readers refuse a store whose version is newer than the one
-they know and read every older one (columns added later read as NULL). Every row carries ``rank``.
-See docs/schema.md for what the tables mean.
+Everything both sides agree on lives here and nowhere else: the DDL and its version, the file names, the
+tables, the finding codes (severities, badge labels, fixes), the closed sets of values, the path grammar,
+the snapshot, the writer's status file and the sampling options of both command lines. Standard library
+only (never torch): the dashboard imports it on machines without torch. Versioned with ``PRAGMA
+user_version``: readers refuse a newer store and read every older one (later columns read as NULL).
+Every row carries ``rank``. docs/schema.md says what the tables mean.
 """
 
 from __future__ import annotations
 
+import argparse
 import array
 import enum
 import json
@@ -21,10 +20,11 @@ import sqlite3
 import sys
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeVar
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -38,9 +38,9 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
            "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
            "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
-           "decode_hist", "display_path", "encode_hist", "encode_status", "module_path_candidates",
-           "normalize_path", "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path",
-           "store_filename"]
+           "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
+           "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
+           "status_path", "store_filename"]
 
 SCHEMA_VERSION = 2
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -79,6 +79,29 @@ def parse_store_filename(name: str) -> StoreName | None:
     """The run and rank of a per-rank store file name, or None for any other name."""
     m = _STORE_NAME_RE.match(name)
     return StoreName(m.group("run"), int(m.group("rank"))) if m else None
+
+
+# ---------------------------------------------------------------------------------- sampling options
+# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.autorun`) read them
+_N = TypeVar("_N", int, float)
+
+
+def _option(text: str, convert: Callable[[str], _N], ok: Callable[[_N], bool], expected: str) -> _N:
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+    return value
+
+
+def every_option(text: str) -> int:
+    return _option(text, int, lambda v: v >= 1, "a positive integer (sample every N-th step)")
+
+
+def overhead_option(text: str) -> float:
+    return _option(text, float, lambda v: 0 < v <= 1, "a fraction in (0, 1], such as 0.01 for 1%")
 
 
 # ---------------------------------------------------------------------------------- closed sets
@@ -226,10 +249,8 @@ def code_label(code: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- paths
-# Registered modules and tensors are named as PyTorch names them (``encoder.blocks.0.weight``; ``""`` is
-# the root). Unregistered ones carry the Python path from the root: attributes ``.name``, sequence items
-# ``[0]``, mapping items ``['key']``, set members ``{0}``. Modules executed in forward but reachable from
-# nowhere are ``<unreachable Type>`` (``<unreachable Type#k>`` for the k-th of a type) under their caller.
+# Registered things by PyTorch's names (``""`` is the root); unregistered ones by their Python path from the
+# root (``.name``, ``[0]``, ``['key']``, ``{0}``); modules reachable from nowhere as ``<unreachable Type>``.
 ROOT_DISPLAY = "<root>"
 
 
@@ -281,9 +302,8 @@ def module_path_candidates(path: str, limit: int = 64) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- histograms
-# Activation histogram: fixed, signed log-spaced bin edges shared by every sample, so a heat map over time
-# needs no re-binning. Bin i counts values in [EDGES[i-1], EDGES[i]); bin 0 is (-inf, EDGES[0]) and the
-# last bin is [EDGES[-1], inf). Exact zeros have a bin of their own (between -1e-6 and 1e-6).
+# Fixed signed log-spaced edges shared by every sample (a heat map over time needs no re-binning). Bin i
+# counts [EDGES[i-1], EDGES[i]); bin 0 is below EDGES[0], the last at or above EDGES[-1]; zeros have their own.
 _POS = [1e-6, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0]
 HIST_EDGES = [-e for e in reversed(_POS)] + _POS
 HIST_BINS = len(HIST_EDGES) + 1
@@ -294,9 +314,13 @@ def encode_hist(counts: Sequence[int]) -> bytes:
     """A histogram as module_stats.hist stores it: HIST_BINS counts, little-endian uint16 (50 bytes;
     a count saturates at 65,535)."""
     a = array.array("H", (min(int(c), 65535) for c in counts))
+    return _little_endian(a).tobytes()
+
+
+def _little_endian(a: array.array[int]) -> array.array[int]:
     if sys.byteorder == "big":
         a.byteswap()
-    return a.tobytes()
+    return a
 
 
 def decode_hist(value: bytes | str | None) -> list[int] | None:
@@ -306,14 +330,13 @@ def decode_hist(value: bytes | str | None) -> list[int] | None:
     if isinstance(value, (bytes, bytearray, memoryview)):
         a = array.array("H")
         a.frombytes(bytes(value))
-        if sys.byteorder == "big":
-            a.byteswap()
-        return list(a)
+        return list(_little_endian(a))
     try:
         counts = json.loads(value)
     except (TypeError, ValueError):
         return None
     return [int(c) for c in counts] if isinstance(counts, list) else None
+
 
 # ---------------------------------------------------------------------------------- tables
 DDL = """
@@ -470,9 +493,8 @@ ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxy
 
 
 # ---------------------------------------------------------------------------------- writer health
-# Next to each store, ``<store>.status`` holds the writer's health as JSON padded to STATUS_BYTES. The
-# writer overwrites it in place (same size, no new disk blocks), so it can still say "failing" when the
-# disk is full and the store itself cannot take another commit.
+# ``<store>.status``: the writer's health as JSON padded to STATUS_BYTES, overwritten in place (no new disk
+# blocks), so it can still say "failing" when the disk is full and the store takes no more commits.
 STATUS_BYTES = 1024
 
 
@@ -518,12 +540,9 @@ def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
 
 # ---------------------------------------------------------------------------------- snapshots
 def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> Path:
-    """A consistent single-file copy of one or more stores (the ranks of one run), never a pickle.
-
-    The first store is copied with SQLite's backup API; the rows of every further store are added in
-    one read transaction each, so each rank is copied as of one instant. The copy is in rollback-journal
-    mode (one file, no -wal) and its meta says what it was taken of and when. Written to a temporary
-    name and renamed, so ``dest`` is either the old file or the complete new one."""
+    """A consistent single-file copy of the stores of one run (its ranks), never a pickle: the first by
+    SQLite's backup API, the others' rows in one read transaction each (each rank as of one instant); one
+    file (rollback journal), its meta says of what and when; renamed into place complete or not at all."""
     paths = [Path(p) for p in sources]
     if not paths:
         raise ValueError("snapshot needs at least one store")
