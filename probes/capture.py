@@ -425,18 +425,11 @@ class StepCapture:
         parameter and buffer, and the data norm of the buffers (the parameters' comes at the optimizer step)."""
         tids = index.fingerprint_tensors()
         for group in _by_device(index, tids):
-            vec = tensor_stats.fingerprints([index.tensor(t) for t in group])
-            assert vec is not None
-            slot = rec.measurements.add(vec)
-            for pos, tid in enumerate(group):
-                rec.fingerprints[tid] = TensorSlot(slot, pos)
+            _add_per_tensor(rec, group, tensor_stats.fingerprints([index.tensor(t) for t in group]),
+                            rec.fingerprints)
         buffers = [t for t in tids if index.tensors[t].kind == TensorKind.BUFFER]
         if buffers:
-            norms = tensor_stats.norms([index.tensor(t) for t in buffers])
-            assert norms is not None
-            slot = rec.measurements.add(norms)
-            for pos, tid in enumerate(buffers):
-                rec.data[tid] = TensorSlot(slot, pos)
+            _add_per_tensor(rec, buffers, tensor_stats.norms([index.tensor(t) for t in buffers]), rec.data)
 
     def measure_grads(self, rec: StepRecord, tensor_ids: list[int]) -> None:
         index = self.index
@@ -445,18 +438,11 @@ class StepCapture:
         grads = {t: index.grad(t) for t in have}
         with_grad = [t for t in have if grads[t] is not None]
         if with_grad:
-            vec = tensor_stats.norms([grads[t] for t in with_grad])  # type: ignore[misc]
-            assert vec is not None
-            slot = rec.measurements.add(vec)
-            for pos, tid in enumerate(with_grad):
-                rec.grads[tid] = TensorSlot(slot, pos)
+            _add_per_tensor(rec, with_grad, tensor_stats.norms([grads[t] for t in with_grad]),  # type: ignore[misc]
+                            rec.grads)
         rest = [t for t in have if t not in rec.data]
         if rest:
-            vec = tensor_stats.norms([index.tensor(t) for t in rest])
-            assert vec is not None
-            slot = rec.measurements.add(vec)
-            for pos, tid in enumerate(rest):
-                rec.data[tid] = TensorSlot(slot, pos)
+            _add_per_tensor(rec, rest, tensor_stats.norms([index.tensor(t) for t in rest]), rec.data)
 
     def measure_updates(self, rec: StepRecord, baseline: UpdateBaseline) -> None:
         """Sampled change across the step, plus the data norm after it (which catches a change the
@@ -496,3 +482,12 @@ def _by_device(index: ModelIndex, tensor_ids: list[int]) -> list[list[int]]:
     for tid in tensor_ids:
         groups.setdefault(index.tensor(tid).device, []).append(tid)
     return list(groups.values())
+
+
+def _add_per_tensor(rec: StepRecord, tensor_ids: list[int], vec: torch.Tensor | None,
+                    into: dict[int, TensorSlot]) -> None:
+    """One device vector with a value per tensor: where each tensor's value will be."""
+    assert vec is not None
+    slot = rec.measurements.add(vec)
+    for pos, tid in enumerate(tensor_ids):
+        into[tid] = TensorSlot(slot, pos)
