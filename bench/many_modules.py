@@ -114,30 +114,35 @@ def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
             "per_call_us": extra / calls * 1e3, "self_per_call_us": statistics.median(probe) / calls * 1e3}
 
 
-def start_of_run(blocks: int, steps: int, workdir: Path) -> dict:
-    """The first ``steps`` steps with the default budget against bare training, step by step interleaved
-    (bare, watched, bare, watched ...) so that the machine's drift weighs on both alike."""
+def start_of_run(blocks: int, checkpoints: list[int], workdir: Path) -> list[dict]:
+    """The first steps with the default budget against bare training, step by step interleaved (bare,
+    watched, bare, watched ...) so that the machine's drift weighs on both alike; one run as long as the
+    longest checkpoint, the cumulative times read at each."""
     bare = make(blocks)
     watched = make(blocks)
     for _ in range(2):                               # warm the allocator and the kernels of both copies
         one_step(*bare)
-    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"default-{blocks}-{steps}")
+    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"default-{blocks}")
     first_seen: dict[str, int] = {}
     t_bare = t_watched = 0.0
-    for step in range(steps):
+    at: dict[int, tuple[float, float]] = {}
+    for step in range(max(checkpoints)):
         t_bare += one_step(*bare)
         t_watched += one_step(*watched, w=w)
         if step < 8:
             for f in w.findings():
                 first_seen.setdefault(f.code, step)
+        if step + 1 in checkpoints:
+            at[step + 1] = (t_bare, t_watched)
     import sqlite3
     w._writer.flush()
     con = sqlite3.connect(w.store_path)
     sampled = [r[0] for r in con.execute("SELECT step FROM steps WHERE sampled = 1 ORDER BY step")]
     con.close()
     w.close()
-    return {"blocks": blocks, "steps": steps, "bare_ms": t_bare, "watched_ms": t_watched,
-            "overhead": t_watched / t_bare - 1, "sampled_steps": sampled, "first_seen": first_seen}
+    return [{"blocks": blocks, "steps": n, "bare_ms": b, "watched_ms": t, "overhead": t / b - 1,
+             "sampled_steps": [s for s in sampled if s < n], "first_seen": first_seen}
+            for n, (b, t) in sorted(at.items())]
 
 
 def main(argv=None) -> int:
@@ -158,8 +163,9 @@ def main(argv=None) -> int:
             print(f"{r['blocks']:>5} blocks ({r['modules']:,} modules, {r['calls']:,} calls/forward): bare "
                   f"{r['bare_ms']:.1f} ms, sampled {r['sampled_ms']:.1f} ms -> {r['per_call_us']:.1f} us per call "
                   f"(self-reported {r['self_per_call_us']:.1f} us)", flush=True)
-        for steps in (int(s) for s in args.start.split(",") if s):
-            r = start_of_run(args.start_blocks, steps, Path(d))
+        checkpoints = [int(s) for s in args.start.split(",") if s]
+        for r in start_of_run(args.start_blocks, checkpoints, Path(d)) if checkpoints else []:
+            steps = r["steps"]
             out["start"].append(r)
             print(f"first {steps} steps, {args.start_blocks} blocks, default budget: {r['overhead']:+.1%} over bare "
                   f"(sampled steps {r['sampled_steps']}); findings first seen at steps {r['first_seen']}",

@@ -402,7 +402,7 @@ def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
         if value is not None:
             check_store_target(option, value)
     try:
-        found = fc.collect(fc.open_sources(run=args.run, snapshot=args.snapshot), rank=args.rank)
+        found = fc.collect(fc.open_runs(run=args.run, snapshot=args.snapshot), rank=args.rank)
     except fc.FindingsError as exc:
         fail(str(exc))
     print(fc.format_json(found) if args.json else fc.format_text(found, str(args.run or args.snapshot)))
@@ -515,14 +515,14 @@ def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None) -> int:
     env = child_env()
     server = None
     if serve_port is not None:
-        from .demo import _die_with_parent
+        from .demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
             [sys.executable, "-m", "dashboard.cli", "serve", "--run", str(run_dir), "--host", "127.0.0.1",
              "--port", str(serve_port)], env=env, stdout=sys.stderr, start_new_session=True,
             # no thread runs yet in this process: preexec_fn is safe here
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)  # noqa: PLW1509
+            preexec_fn=die_with_parent())  # noqa: PLW1509  (see demo.start_demo)
     child = subprocess.Popen(cmd, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:

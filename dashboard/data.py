@@ -328,6 +328,13 @@ def liveness(beat: Heartbeat, *, now: float, alive: bool | None, behind_s: float
     return Liveness(RunState.RUNNING)
 
 
+def snapshot_liveness(beat: Heartbeat) -> Liveness:
+    """What a snapshot (a store nothing writes any more) says of its writer: closed, or running when copied."""
+    if beat.status is None:
+        return Liveness(RunState.UNKNOWN)
+    return Liveness(RunState.CLOSED if beat.status == RunStatus.CLOSED else RunState.COPIED_RUNNING)
+
+
 def duration_text(seconds: float) -> str:
     """Seconds under a minute, else whole minutes (hours and days when longer): '40 s', '2 min',
     '1 h 5 min', '3 d 4 h'."""
@@ -629,9 +636,7 @@ class Store:
         close (its process is gone, known on this host only). A snapshot says what it recorded."""
         beat = self.heartbeat(rank)
         if not self.live:
-            if beat.status is None:
-                return Liveness(RunState.UNKNOWN)
-            return Liveness(RunState.CLOSED if beat.status == RunStatus.CLOSED else RunState.COPIED_RUNNING)
+            return snapshot_liveness(beat)
         return liveness(beat, now=time.time() if now is None else now, alive=process_alive(beat.pid, beat.hostname))
 
     def write_trouble(self, rank: int = 0) -> WriteTrouble | None:

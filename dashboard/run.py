@@ -32,6 +32,7 @@ from . import crossrank
 from .crossrank import format_ranks
 from .data import (
     MAX_FINDINGS,
+    Heartbeat,
     Liveness,
     Row,
     RunState,
@@ -46,6 +47,7 @@ from .data import (
     process_alive,
     severity_rank,
     snapshot_bytes,
+    snapshot_liveness,
     status_text,
     writer_present,
 )
@@ -398,18 +400,19 @@ class Run:
         return RunInfo(self.key, self.run_id(), meta.get("run_name"),
                        float(started) if isinstance(started, (int, float)) else None, tuple(route), run_status(states))
 
-    def states(self, now: float | None = None) -> dict[int, Liveness]:
+    def states(self, now: float | None = None, beats: Mapping[int, Heartbeat] | None = None) -> dict[int, Liveness]:
         """Each rank's writer: running, closed, stalled (no heartbeat for max(2 min, 5 median steps), or
         max(30 s, 5 median steps) behind the other ranks' newest heartbeat) or ended without close (its
         process is gone, known on its own host only). A snapshot says what it recorded."""
         route = self.stores()
         now = time.time() if now is None else now
-        beats = {r: s.heartbeat(r) for r, s in route.items()}
+        if beats is None:
+            beats = {r: s.heartbeat(r) for r, s in route.items()}
         out: dict[int, Liveness] = {}
         for r, beat in beats.items():
             store = route[r]
             if not store.live:
-                out[r] = store.liveness(r, now)
+                out[r] = snapshot_liveness(beat)
                 continue
             others = [b.updated_at for k, b in beats.items()
                       if k != r and b.updated_at is not None and b.status == RunStatus.RUNNING]
@@ -420,7 +423,8 @@ class Run:
     def health(self, now: float | None = None) -> RunHealth:
         """States, failed commits and warnings of every rank (what the poll shows)."""
         route = self.stores()
-        states = self.states(now)
+        beats = {r: s.heartbeat(r) for r, s in route.items()}
+        states = self.states(now, beats)
         troubles = []
         for r, store in route.items():
             t = store.write_trouble(r)
@@ -434,7 +438,7 @@ class Run:
                 if store.path in seen:
                     continue
                 seen.add(store.path)
-                host = store.heartbeat(r).hostname
+                host = beats[r].hostname
                 if host and host != me and in_wal_mode(store.path):
                     warnings.append(
                         f"rank {r} is written on {host} in WAL mode: WAL's shared-memory index is not shared "

@@ -1,4 +1,4 @@
-"""The seed's XOR classifier, with its silent bug: the encoder keeps its blocks in a plain list.
+"""The demo: an XOR classifier with the most common silent bug, an encoder that keeps its blocks in a plain list.
 
     python examples/demo_train.py                  # then: python app.py --run runs/<printed dir>
     python examples/demo_train.py --fixed          # the same model with nn.ModuleList

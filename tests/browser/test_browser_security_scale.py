@@ -146,7 +146,7 @@ def snapshot_callback_body(url: str) -> dict:
                for o in dep["output"].strip(".").split("...")]
     return {"output": dep["output"], "outputs": outputs,
             "inputs": [{"id": "export-snapshot-btn", "property": "n_clicks", "value": 1}],
-            "changedPropIds": ["export-snapshot-btn.n_clicks"], "state": []}
+            "changedPropIds": ["export-snapshot-btn.n_clicks"], "state": [{**s, "value": None} for s in dep["state"]]}
 
 
 def run_attack(driver, body: dict) -> dict:

@@ -70,7 +70,8 @@ def snapshot_callback_body(client, headers: dict | None = None) -> dict:
                for o in dep["output"].strip(".").split("...")]
     return {"output": dep["output"], "outputs": outputs,
             "inputs": [{"id": ids.EXPORT_SNAPSHOT_BTN, "property": "n_clicks", "value": 1}],
-            "changedPropIds": [f"{ids.EXPORT_SNAPSHOT_BTN}.n_clicks"], "state": []}
+            "changedPropIds": [f"{ids.EXPORT_SNAPSHOT_BTN}.n_clicks"],
+            "state": [{**s, "value": None} for s in dep["state"]]}
 
 
 # -- --host -------------------------------------------------------------------------------------

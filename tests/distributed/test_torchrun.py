@@ -120,8 +120,6 @@ def test_a_weight_changed_on_one_rank_is_found(diverged):
         assert key in d
 
 
-@pytest.mark.xfail(strict=True, reason="modscope findings reads one store at a time until dashboard/findings_cli.py "
-                                       "calls dashboard.run.Run.findings_merged (the lead wires it)")
 def test_modscope_findings_prints_the_divergence(diverged):
     r = subprocess.run([sys.executable, "-m", "dashboard.cli", "findings", "--run", str(diverged), "--json"],
                        env=env(), cwd=str(REPO), capture_output=True, text=True, timeout=120, check=False)
