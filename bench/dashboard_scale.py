@@ -9,8 +9,8 @@ measures in a real headless Chromium:
   * the live-update round trip: a sample written to the store -> visible in the page,
   * the dashboard process's peak RSS.
 
-    python bench/dashboard_scale.py                       # defaults below, ~2 minutes
-    python bench/dashboard_scale.py --modules 2000 --steps 2000 --repeat 5 --json out.json
+    python -m bench.dashboard_scale                       # defaults below, ~2 minutes
+    python -m bench.dashboard_scale --modules 2000 --steps 2000 --repeat 5 --json out.json
 
 Store shape: every step has a loss row; every module has statistics every ``--stride``
 steps (a thinned history); ``--hot`` modules (along one branch of the tree) have statistics
@@ -24,21 +24,13 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "dashboard"), str(REPO / "tests" / "browser")]
-
-import psutil  # noqa: E402
-import synth_store  # noqa: E402  (tests/dashboard/synth_store.py: writes with the schema's DDL)
-from browser_helpers import CHROMEDRIVER, CHROMIUM, free_port  # noqa: E402
+from bench import synth_store  # writes with the schema's DDL
+from bench.browser import DashboardProcess, RSSSampler, make_driver, until
 
 TARGETS = {"first_render_s": 2.0, "interaction_p95_ms": 200.0, "live_update_s": 2.0, "rss_mb": 500.0}
 
@@ -87,33 +79,6 @@ def build_store(path: Path, n_modules: int, n_steps: int, stride: int, n_hot: in
 
 
 # -- the browser ----------------------------------------------------------------------------------
-def make_driver():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--disable-dev-shm-usage", "--window-size=1500,1000",
-              f"--user-data-dir={tempfile.mkdtemp(prefix='modscope-bench-chrome-')}"):
-        opts.add_argument(a)
-    opts.binary_location = CHROMIUM
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-
-
-def until(driver, js: str, *args, timeout: float = 60.0) -> float:
-    """Seconds until the JS expression returns truthy (polled every 5 ms in the page)."""
-    t0 = time.perf_counter()
-    driver.set_script_timeout(timeout)
-    ok = driver.execute_async_script(
-        "const done = arguments[arguments.length - 1]; const args = arguments;"
-        "const f = new Function('args', 'return (' + args[0] + ');');"
-        "const t = setInterval(() => { let v = false; try { v = f(args); } catch (e) {}"
-        " if (v) { clearInterval(t); done(true); } }, 5);", js, *args)
-    if not ok:
-        raise RuntimeError(f"never true: {js}")
-    return time.perf_counter() - t0
-
-
 def q(css: str) -> str:
     return f"document.querySelector({json.dumps(css)})"
 
@@ -121,22 +86,6 @@ def q(css: str) -> str:
 def pct(values: list[float], p: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
-
-
-class RSSSampler(threading.Thread):
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.peak = 0
-        self.stop = threading.Event()
-
-    def run(self):
-        while not self.stop.is_set():
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            except psutil.Error:
-                return
-            time.sleep(0.05)
 
 
 def main(argv=None) -> int:
@@ -161,20 +110,8 @@ def main(argv=None) -> int:
     size_mb = store_path.stat().st_size / 2**20
     print(f"  {n_stats:,} module_stats rows, {size_mb:.0f} MB, built in {build_s:.1f} s", flush=True)
 
-    port = free_port()
-    log = open(run_dir / "dashboard.log", "w")  # noqa: SIM115  (the server writes to it until the benchmark ends)
-    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--run", str(run_dir), "--port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except (urllib.error.URLError, OSError):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit(f"dashboard did not start, see {run_dir / 'dashboard.log'}") from None
-            time.sleep(0.2)
+    server = DashboardProcess(run_dir, run_dir / "dashboard.log")
+    url = server.url
     rss = RSSSampler(server.pid)
     rss.start()
     driver = make_driver()
@@ -280,10 +217,8 @@ def main(argv=None) -> int:
         driver.quit()
         rss.stop.set()
         rss.join(1)
-        server.terminate()
-        server.wait(15)
+        server.stop()
         writer.close()
-        log.close()
     results["dashboard_peak_rss_mb"] = round(rss.peak / 2**20, 1)
 
     summary = {

@@ -1,8 +1,8 @@
 """Models made of many small modules: the host cost of a sampled step per module call, and the cost of
 the start of a run under the default budget.
 
-    python bench/many_modules.py                          # 1,000 and 5,000 residual blocks
-    python bench/many_modules.py --blocks 5000 --start 200,2000
+    python -m bench.many_modules                          # 1,000 and 5,000 residual blocks
+    python -m bench.many_modules --blocks 5000 --start 200,2000
 
 Each block is a residual Linear(16, 16) + ReLU (3 modules: 5,000 blocks are 15,001 modules). Prints, side
 by side in one run:
@@ -24,9 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import probes  # noqa: E402
+import probes
 
 
 class Residual(nn.Module):

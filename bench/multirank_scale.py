@@ -15,8 +15,8 @@
    times 10,000 (a linear extrapolation, stated as such: the writer's thinning keeps longer runs
    smaller, and the run's first steps are sampled densely).
 
-    python bench/multirank_scale.py                   # 8 real ranks, 300 steps
-    python bench/multirank_scale.py --real-ranks 2    # 2 real ranks cloned to 8 (a machine with few cores)
+    python -m bench.multirank_scale                   # 8 real ranks, 300 steps
+    python -m bench.multirank_scale --real-ranks 2    # 2 real ranks cloned to 8 (a machine with few cores)
 """
 
 from __future__ import annotations
@@ -27,22 +27,19 @@ import json
 import math
 import os
 import shutil
-import socket
 import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.browser import DashboardProcess, RSSSampler, free_port, make_driver, until
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "browser")]
 
 
 # -- the worker (one rank, started by torchrun) -----------------------------------------------------------
@@ -50,10 +47,10 @@ def worker(run_dir: str, steps: int, every: int | None) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from models import GPT
     from torch import nn
 
     import probes
+    from bench.models import GPT
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -78,17 +75,11 @@ def worker(run_dir: str, steps: int, every: int | None) -> None:
 
 
 # -- the stores ----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train(run_dir: Path, nproc: int, steps: int, every: int | None = None) -> float:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            "--rdzv_backend=static", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--steps", str(steps),
+           "--module", "bench.multirank_scale", "--worker", "--run-dir", str(run_dir), "--steps", str(steps),
            *(["--every", str(every)] if every else [])]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, check=False)
@@ -185,61 +176,12 @@ def query_times(run_dir: Path, repeat: int) -> dict[str, list[float]]:
     return out
 
 
-class RSSSampler(threading.Thread):
-    def __init__(self, pid: int) -> None:
-        import psutil
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.peak = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        import psutil
-        while not self.stop.is_set():
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            except psutil.Error:
-                return
-            time.sleep(0.05)
-
-
 def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
-    from browser_helpers import CHROMEDRIVER, CHROMIUM
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    port = free_port()
-    log = open(run_dir.parent / "dashboard.log", "w")  # noqa: SIM115  (closed below)
-    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--run", str(run_dir), "--port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except (urllib.error.URLError, OSError):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit(f"dashboard did not start, see {run_dir.parent / 'dashboard.log'}") from None
-            time.sleep(0.2)
+    server = DashboardProcess(run_dir, run_dir.parent / "dashboard.log")
+    url = server.url
     rss = RSSSampler(server.pid)
     rss.start()
-    opts = webdriver.ChromeOptions()
-    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1500,1000",
-              f"--user-data-dir={tempfile.mkdtemp(prefix='modscope-bench-chrome-')}"):
-        opts.add_argument(a)
-    opts.binary_location = CHROMIUM
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-
-    def until(js: str, timeout: float = 60.0) -> None:
-        driver.set_script_timeout(timeout)
-        ok = driver.execute_async_script(
-            "const done = arguments[arguments.length - 1]; const f = new Function('return (' + arguments[0] + ');');"
-            "const t = setInterval(() => { let v = false; try { v = f(); } catch (e) {}"
-            " if (v) { clearInterval(t); done(true); } }, 5);", js)
-        if not ok:
-            raise RuntimeError(f"never true: {js}")
+    driver = make_driver()
 
     def load(page: str, ready: str, cold: bool) -> float:
         if cold:
@@ -247,7 +189,7 @@ def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
             driver.execute_cdp_cmd("Network.clearBrowserCache", {})
         t0 = time.perf_counter()
         driver.get(url + page)
-        until(ready)
+        until(driver, ready)
         return time.perf_counter() - t0
 
     overview_ready = ("document.querySelectorAll('#ov-ranks tbody tr').length === 8"
@@ -266,9 +208,7 @@ def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
         driver.quit()
         rss.stop.set()
         rss.join(1)
-        server.terminate()
-        server.wait(15)
-        log.close()
+        server.stop()
     out["dashboard_peak_rss_mb"] = round(rss.peak / 2**20, 1)
     return out
 

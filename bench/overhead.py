@@ -2,9 +2,9 @@
 TensorBoard histograms. Configurations are interleaved in one process (A B C A B C ...) so the
 ratios hold on a noisy machine; each configuration trains its own copy of the model.
 
-    python bench/overhead.py                         # mlp, cnn, gpt; all installed configs
-    python bench/overhead.py --models gpt,cnn --rounds 8 --rss
-    python bench/overhead.py --device cuda --models hf-gpt2-small --sync-count
+    python -m bench.overhead                         # mlp, cnn, gpt; all installed configs
+    python -m bench.overhead --models gpt,cnn --rounds 8 --rss
+    python -m bench.overhead --device cuda --models hf-gpt2-small --sync-count
 
 Prints median ms/step per configuration and the overhead over bare training (median of paired
 per-round ratios; for the default budget, which samples a step now and then, also the ratio of
@@ -27,12 +27,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from models import registry  # noqa: E402
-
-import probes  # noqa: E402
+import probes
+from bench.models import registry
 
 ALL_CONFIGS = ["bare", "modscope-default", "modscope-every1", "ideal", "wandb", "tensorboard"]
 # not run by default: the floor of any exact per-module statistic (see FloorProbe)
@@ -268,8 +264,9 @@ def child_rss(name: str, config: str, steps: int, device: str) -> None:
 
 
 def rss(name: str, config: str, steps: int, device: str) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child-rss", name, config, str(steps), "--device", device],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "bench.overhead", "--child-rss", name, config, str(steps),
+                          "--device", device], capture_output=True, text=True, check=True,
+                         cwd=str(Path(__file__).resolve().parent.parent))
     return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mb"]
 
 

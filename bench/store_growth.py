@@ -1,8 +1,8 @@
 """Store growth: bytes per sampled module-step and per tensor-step, the size of a 1,000,000-step run of a
 1,000-module model once thinned, and the dashboard's first render on it.
 
-    python bench/store_growth.py                       # ~3 minutes
-    python bench/store_growth.py --interval 1          # the worst case: every step sampled
+    python -m bench.store_growth                       # ~3 minutes
+    python -m bench.store_growth --interval 1          # the worst case: every step sampled
 
 1. A real store: ``probes.watch(every=1)`` on a model of 1,000 modules (333 residual blocks, see
    bench/many_modules.py) for 40 steps; the bytes of each table and index (SQLite's dbstat) per row.
@@ -27,10 +27,11 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from dashboard_scale import free_port, make_driver, q, until
-from many_modules import make, one_step
 
 import probes
+from bench.browser import free_port, make_driver, until
+from bench.dashboard_scale import q
+from bench.many_modules import make, one_step
 from probes import session
 
 REPO = Path(__file__).resolve().parent.parent

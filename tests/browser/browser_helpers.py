@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,17 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.browser import CHROMEDRIVER, CHROMIUM, chrome_options, free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
-CHROMIUM = os.environ.get("MODSCOPE_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("MODSCOPE_CHROMEDRIVER", shutil.which("chromedriver") or "/usr/bin/chromedriver")
 WAIT = 30  # seconds: the upper bound of every wait (a wait, never a timed assert)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -104,12 +97,7 @@ def start_chrome(*extra_args: str, download_dir: Path | None = None):
     from selenium.webdriver.chrome.service import Service
 
     profile = tempfile.mkdtemp(prefix="modscope-chrome-")
-    opts = webdriver.ChromeOptions()
-    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--disable-dev-shm-usage", "--window-size=1500,1000", f"--user-data-dir={profile}", *extra_args):
-        opts.add_argument(a)
-    opts.binary_location = CHROMIUM
+    opts = chrome_options(*extra_args, profile=profile)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     if download_dir is not None:
         opts.add_experimental_option("prefs", {"download.default_directory": str(download_dir),

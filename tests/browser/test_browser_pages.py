@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-import synth_store
 from browser_helpers import click, screenshot, wait_for, wait_text
 from selenium.webdriver.common.by import By
 
+from bench import synth_store
 from probes import schema
 
 pytestmark = pytest.mark.browser

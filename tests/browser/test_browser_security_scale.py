@@ -14,7 +14,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-import synth_store
 from browser_helpers import (
     WAIT,
     assert_console_clean,
@@ -29,6 +28,8 @@ from browser_helpers import (
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+
+from bench import synth_store
 
 pytestmark = pytest.mark.browser
 

@@ -15,12 +15,12 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-import synth_store
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import probes
+from bench import synth_store
 from dashboard import data as data_module
 from dashboard.data import (
     RunState,

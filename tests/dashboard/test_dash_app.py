@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import synth_store
 
+from bench import synth_store
 from dashboard import figures
 from dashboard.data import Store
 from dashboard.pages import compare as compare_page

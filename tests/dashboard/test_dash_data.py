@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import synth_store
 
+from bench import synth_store
 from dashboard.data import (
     STALL_MIN_S,
     Heartbeat,

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-import synth_store
 
+from bench import synth_store
 from dashboard import crossrank
 from dashboard.config import AppConfig
 from dashboard.data import RunState, Store, StoreError, StoreNotReadyError

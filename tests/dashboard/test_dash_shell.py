@@ -10,10 +10,10 @@ import sqlite3
 import time
 
 import pytest
-import synth_store
 from dash import no_update
 from dash.exceptions import PreventUpdate
 
+from bench import synth_store
 from dashboard import server
 from dashboard.components import badge_specs, finding_badges
 from dashboard.config import AppConfig, Mode

@@ -17,9 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import synth_store
 from browser_helpers import Server
 
+from bench import synth_store
 from dashboard import ids
 from dashboard.data import Store
 from dashboard.security import (

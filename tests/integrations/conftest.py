@@ -1,15 +1,7 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-for p in (ROOT, HERE):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

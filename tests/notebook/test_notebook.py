@@ -8,22 +8,19 @@ from __future__ import annotations
 import http.server
 import re
 import shutil
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import nbformat
 import pytest
-import synth_store
+import wheel_site
 from browser_helpers import start_chrome, wait_for
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packaging"))
-import wheel_site
+from bench import synth_store
 
 TRAIN = '''
 import torch

@@ -1,4 +1,4 @@
-"""bench/overhead.py runs end to end (a smoke run: the figures themselves are checked by running
+"""bench.overhead runs end to end (a smoke run: the figures themselves are checked by running
 the benchmark, never by timed asserts)."""
 import json
 import subprocess
@@ -12,10 +12,10 @@ def test_overhead_benchmark_runs_and_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     configs = "bare,modscope-default,modscope-every1,ideal,floor"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "overhead.py"), "--models", "mlp", "--configs", configs,
+        [sys.executable, "-m", "bench.overhead", "--models", "mlp", "--configs", configs,
          "--rounds", "2", "--steps", "1", "--warmup", "1", "--threads", "1", "--phases", "--rss",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())["mlp"]
     names = configs.split(",")
@@ -28,6 +28,6 @@ def test_overhead_benchmark_runs_and_reports_every_figure(tmp_path):
 
 
 def test_overhead_benchmark_names_an_unknown_configuration():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead.py"), "--configs", "bare,wandbb"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench.overhead", "--configs", "bare,wandbb"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "wandbb" in proc.stderr and "modscope-every1" in proc.stderr

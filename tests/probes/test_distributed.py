@@ -1,6 +1,5 @@
 """Two DDP ranks (gloo, CPU) watch their model into one run directory: one store per rank, one run."""
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ HERE = Path(__file__).resolve().parent
 
 
 def _worker(rank: int, world: int, init_file: str, run_dir: str, every: int | None = 1, steps: int = 5) -> None:
-    sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
     import zoo
 
     import probes
@@ -60,7 +58,6 @@ def test_two_ranks_write_one_run_with_a_store_each(tmp_path):
 def test_a_rank_waits_while_another_rank_creates_the_store(tmp_path):
     """Ranks start together: one is creating the file while the next switches it to WAL, which
     SQLite refuses at once (SQLITE_BUSY, no busy wait). The writer must retry, not fail."""
-    sys.path[:0] = [str(HERE.parents[1])]
     import threading
     import time
 

@@ -4,7 +4,6 @@ DDP is covered in test_distributed.py and torch.compile in test_reliability.py. 
 (FullyShardedDataParallel) needs an accelerator in this torch build, so the sharded case here is FSDP2
 (``fully_shard``), which runs on the CPU with gloo."""
 import sqlite3
-import sys
 from pathlib import Path
 
 import torch
@@ -69,7 +68,6 @@ def test_activation_checkpoint_wrappers_inside_the_model_are_transparent(run_dir
 
 
 def _fsdp2_worker(rank: int, world: int, init_file: str, run_dir: str) -> None:
-    sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
     from torch.distributed.fsdp import fully_shard
 
     import probes
