@@ -26,7 +26,7 @@ from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
-from .structure import ModuleNode, unit_dim
+from .structure import CompiledModules, ModuleNode, unit_dim
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
 
@@ -91,7 +91,11 @@ class StepRecord:
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
-    stance: Any = None           # torch.compiler's stance while a compiled model runs this step eagerly
+    # while a compiled model runs this step eagerly: the compiled call of each module compiled in place, the
+    # hooks on torch.compile wrappers, and the stances those hooks entered (innermost last)
+    compiled_calls: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
+    eager_handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    stances: list[Any] = dataclasses.field(default_factory=list)
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
     # weak reference tells that tensor apart from a later one that reuses its address after it was freed
     measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
@@ -108,7 +112,7 @@ class StepCapture:
     indirection on the hot path)."""
 
     def __init__(self, probe: ProbeRuntime, runtime_modules: RuntimeModules,
-                 on_new_module: Callable[[ModuleNode], None], compiled: bool, replicas: bool = False) -> None:
+                 on_new_module: Callable[[ModuleNode], None], replicas: bool = False) -> None:
         """``replicas``: one of several data-parallel ranks: fingerprints and this rank's own gradient
         norms are taken too, for the reader to compare ranks."""
         self.probe = probe
@@ -118,7 +122,7 @@ class StepCapture:
         self.index: ModelIndex | None = None
         self.record: StepRecord | None = None
         self.closed = False
-        self.compiled = compiled
+        self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
         self.updates = tensor_stats.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}
         # small outputs are referenced, not copied, unless their module's output is changed in place
@@ -142,6 +146,7 @@ class StepCapture:
         self.updates.clear()
         self._unit_dims.clear()
         self.index = None
+        self.compiled = CompiledModules()
 
     def _output_grad_hook(self, rec: StepRecord, key: OutputKey) -> Callable[[torch.Tensor], None]:
         hook = functools.partial(self.on_output_grad, rec, key)
@@ -161,10 +166,8 @@ class StepCapture:
         forwards) no global hook exists."""
         self.index = index
         rec = self.record = StepRecord()
-        if self.compiled and _HAS_STANCE:
-            # a compiled model runs its sampled steps eagerly: the compiled graph never sees our hooks, so
-            # it is neither broken nor recompiled, and unsampled steps run it exactly as without modscope
-            rec.stance = torch.compiler.set_stance("force_eager")
+        if self.compiled:
+            self._run_eagerly(rec)
         trigger = self._eager(self.on_trigger)
         for module in index.top_level_modules():
             rec.handles.append(module.register_forward_pre_hook(trigger))
@@ -173,9 +176,14 @@ class StepCapture:
         """Remove every hook of the step; returns what it gathered."""
         rec, self.record = self.record, None
         if rec is not None:
-            if rec.stance is not None:
-                rec.stance.__exit__(None, None, None)      # the stance the user had
-                rec.stance = None
+            for module, call in rec.compiled_calls:
+                module._compiled_call_impl = call
+            rec.compiled_calls.clear()
+            for h in rec.eager_handles:
+                h.remove()
+            rec.eager_handles.clear()
+            while rec.stances:                             # a forward that never returned
+                rec.stances.pop().__exit__(None, None, None)
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()
@@ -186,6 +194,29 @@ class StepCapture:
                     t._backward_hooks = None
             rec.hooked.clear()
         return rec
+
+    def _run_eagerly(self, rec: StepRecord) -> None:
+        """A compiled model runs its sampled steps eagerly: the compiled graph never sees our hooks, so it is
+        neither broken nor recompiled, and unsampled steps run it exactly as without modscope. Only this
+        model's calls run eagerly: any other compiled code of the process (another model, a compiled loss)
+        keeps its graph, sampled step or not."""
+        for module in self.compiled.in_place:
+            rec.compiled_calls.append((module, module._compiled_call_impl))
+            module._compiled_call_impl = None          # this instance's __call__ runs _call_impl eagerly
+        if _HAS_STANCE:
+            for wrapper in self.compiled.wrappers:
+                rec.eager_handles.append(wrapper.register_forward_pre_hook(self._enter_eager))
+                rec.eager_handles.append(wrapper.register_forward_hook(self._exit_eager, always_call=True))
+
+    def _enter_eager(self, module: nn.Module, args: Any) -> None:
+        rec = self.record
+        if rec is not None:
+            rec.stances.append(torch.compiler.set_stance("force_eager"))
+
+    def _exit_eager(self, module: nn.Module, args: Any, output: Any) -> None:
+        rec = self.record
+        if rec is not None and rec.stances:
+            rec.stances.pop().__exit__(None, None, None)   # the stance the user had
 
     def on_trigger(self, module: nn.Module, args: Any) -> None:
         rec, index = self.record, self.index

@@ -462,11 +462,27 @@ def subtree_has_state_or_modes(module: nn.Module) -> bool:
     return False
 
 
-def is_compiled(model: nn.Module) -> bool:
-    """torch.compile(model) (an OptimizedModule) or model.compile() on the root or a child."""
-    if type(model).__name__ == "OptimizedModule":
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *model.children()))
+@dataclasses.dataclass(frozen=True)
+class CompiledModules:
+    """What torch.compile put in a model: ``torch.compile(m)`` wrappers (OptimizedModule, at any depth: the
+    model the user calls, or a block replaced by its compiled self) and modules compiled in place
+    (``m.compile()``, which sets ``_compiled_call_impl``)."""
+
+    wrappers: tuple[nn.Module, ...] = ()
+    in_place: tuple[nn.Module, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.wrappers or self.in_place)
+
+
+def compiled_modules(model: nn.Module) -> CompiledModules:
+    wrappers, in_place = [], []
+    for m in model.modules():
+        if type(m).__name__ == "OptimizedModule":
+            wrappers.append(m)
+        elif m.__dict__.get("_compiled_call_impl") is not None:
+            in_place.append(m)
+    return CompiledModules(tuple(wrappers), tuple(in_place))
 
 
 def model_device(model: nn.Module) -> str:

@@ -40,7 +40,7 @@ from .schema import RunStatus, StrEnum
 from .sentinels import RootSentinel
 from .session import StoreSession
 from .structural import structural_findings
-from .structure import ModuleNode, is_compiled, model_device, unwrap
+from .structure import ModuleNode, compiled_modules, model_device, unwrap
 
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
@@ -90,8 +90,7 @@ class Watcher:
         self._ids = IdRegistry()
         self._runtime = RuntimeModules(self._ids)
         self._activity = measure.UnitActivity(window)
-        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, is_compiled(model),
-                                    replicas=world_size > 1)
+        self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
         self._stepped: set[int] = set()
         self._sample_index = 0
@@ -265,6 +264,7 @@ class Watcher:
         self._writer.submit(records.structure_ops(self.rank, index.structure.modules, index.structure.tensors, step),
                             droppable=False)
         self._capture.index = index
+        self._capture.compiled = compiled_modules(model)
         self._sentinel.mode_sensitive = index.mode_sensitive_modules()
         return index
 

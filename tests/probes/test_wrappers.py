@@ -6,6 +6,7 @@ DDP is covered in test_distributed.py and torch.compile in test_reliability.py. 
 import sqlite3
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -120,24 +121,55 @@ def test_watching_the_wrapper_or_the_model_gives_the_same_tree(run_dir):
     assert stored(a.store_path, "SELECT model_class FROM ranks") == [(f"{zoo.__name__}.MLP",)]
 
 
-def _dynamo_run(watch: bool, inplace: bool, steps: int, run_dir):
+class _Residual(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+class _Blocks(nn.Module):
+    """Blocks compiled one by one (as FSDP2 users do), two levels below the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_Residual(16) for _ in range(2))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _dynamo_run(watch: bool, how: str, steps: int, run_dir, every: int = 2, compiled_loss: bool = False):
+    """``how``: "wrapper" (torch.compile(model)), "in_place" (model.compile()) or "blocks" (each Linear
+    compiled in place, two levels down)."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
     dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = zoo.MLP(din=8, hidden=16, dout=2, depth=2)
-    if inplace:
-        model.compile(backend="eager")
-        called = model
-    else:
+    model: nn.Module = _Blocks() if how == "blocks" else zoo.MLP(din=8, hidden=16, dout=2, depth=2)
+    called = model
+    if how == "wrapper":
         called = torch.compile(model, backend="eager")
+    elif how == "in_place":
+        model.compile(backend="eager")
+    elif how == "blocks":
+        for block in model.blocks:
+            block.compile(backend="eager")
+    loss_fn = torch.compile(F.cross_entropy, backend="eager") if compiled_loss else F.cross_entropy
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    w = probes.watch(called, opt, run_dir=run_dir, every=2) if watch else None
+    w = probes.watch(called, opt, run_dir=run_dir, every=every) if watch else None
     losses = []
     for _ in range(steps):
         x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
-        loss = F.cross_entropy(called(x), y)
+        loss = loss_fn(called(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -156,15 +188,58 @@ def _dynamo_run(watch: bool, inplace: bool, steps: int, run_dir):
 def test_a_watched_compiled_model_stays_compiled(tmp_path):
     """Every other step is sampled (eagerly); the compiled graph is captured once, like without modscope, and
     never broken nor recompiled over a hundred steps."""
-    bare, bare_losses, _ = _dynamo_run(False, False, 100, None)
-    watched, watched_losses, found = _dynamo_run(True, False, 100, tmp_path / "run")
+    bare, bare_losses, _ = _dynamo_run(False, "wrapper", 100, None)
+    watched, watched_losses, found = _dynamo_run(True, "wrapper", 100, tmp_path / "run")
     assert bare["stats"]["unique_graphs"] == 1 and bare["frames"] == {"total": 1, "ok": 1}
     assert watched == bare                               # one graph, one frame, no break, no recompile
     assert found == []
     assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
 
 
-def test_a_model_compiled_in_place_stays_compiled(tmp_path):
-    bare, _, _ = _dynamo_run(False, True, 40, None)
-    watched, _, _ = _dynamo_run(True, True, 40, tmp_path / "run")
+@pytest.mark.parametrize("how", ["in_place", "blocks"])
+def test_a_model_compiled_in_place_stays_compiled(tmp_path, how):
+    bare, bare_losses, _ = _dynamo_run(False, how, 40, None)
+    watched, watched_losses, found = _dynamo_run(True, how, 40, tmp_path / "run")
+    assert bare["stats"]["unique_graphs"] >= 1
+    # the same graphs, never broken nor recompiled (compiled in place, the root's own sentinel hooks are
+    # frames of their own for dynamo: more frames, no graph)
     assert watched["stats"] == bare["stats"] and not watched["recompiles"] and not watched["graph_break"]
+    assert found == []
+    assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
+
+
+def test_only_the_watched_model_runs_eagerly_on_sampled_steps(tmp_path):
+    """Every step sampled: the watched model always runs eagerly, but the compiled loss called between its
+    forward and the next step (while the next sampled step is armed) is compiled as without modscope."""
+    bare, _, _ = _dynamo_run(False, "none", 20, None, compiled_loss=True)
+    watched, _, _ = _dynamo_run(True, "wrapper", 20, tmp_path / "run", every=1, compiled_loss=True)
+    assert bare["frames"] == {"total": 1, "ok": 1} and bare["stats"]["unique_graphs"] == 1
+    assert watched == bare                    # the loss's graph, and none of the watched model's
+
+
+def test_two_watched_compiled_models_leave_no_eager_stance_behind(tmp_path):
+    """A GAN-like pair, each watched (interleaved sampled steps); after both close, a fresh compiled function
+    compiles: no stance was left forcing eager execution."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    dynamo.reset()
+    counters.clear()
+    nets = [zoo.MLP(din=8, hidden=8, dout=2, depth=1) for _ in range(2)]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    called = [torch.compile(n, backend="eager") for n in nets]
+    watchers = [probes.watch(c, o, run_dir=tmp_path / f"r{i}", every=e)
+                for i, (c, o, e) in enumerate(zip(called, opts, (1, 3), strict=True))]
+    for _ in range(7):
+        for c, o, w in zip(called, opts, watchers, strict=True):
+            loss = c(torch.randn(4, 8)).sum()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            w.step(loss)
+    for w in watchers:
+        assert not w.probe_errors, w.probe_errors
+        w.close()
+    frames = counters["frames"].get("ok", 0)
+    assert frames >= 1                  # the second net's unsampled steps ran compiled
+    torch.compile(lambda t: t * 2 + 1, backend="eager")(torch.ones(3))
+    assert counters["frames"]["ok"] == frames + 1
