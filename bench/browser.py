@@ -91,14 +91,31 @@ class DashboardProcess:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self._log.close()
+
+
+def load_seconds(driver: Any, url: str, ready: str, cold: bool) -> float:
+    """Seconds from navigating to ``url`` until the JS expression ``ready`` holds; with the HTTP cache
+    cleared first when ``cold`` (every script fetched and compiled again)."""
+    if cold:
+        driver.get("about:blank")
+        driver.execute_cdp_cmd("Network.clearBrowserCache", {})
+    t0 = time.perf_counter()
+    driver.get(url)
+    until(driver, ready)
+    return time.perf_counter() - t0
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 15) -> None:
+    """Terminate ``proc``; kill it if it has not exited after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 class RSSSampler(threading.Thread):

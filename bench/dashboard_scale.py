@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench import synth_store  # writes with the schema's DDL
-from bench.browser import DashboardProcess, RSSSampler, make_driver, until
+from bench.browser import DashboardProcess, RSSSampler, load_seconds, make_driver, until
 
 TARGETS = {"first_render_s": 2.0, "interaction_p95_ms": 200.0, "live_update_s": 2.0, "rss_mb": 500.0}
 
@@ -125,14 +125,7 @@ def main(argv=None) -> int:
         overview_ready = (f"{q('#ov-cards')} && {q('#ov-cards')}.innerText.includes('BigModel')"
                           f" && {q('#ov-loss .scatterlayer .trace')}")
         def load(page: str, ready: str, cold: bool) -> float:
-            """Seconds from navigation to `ready` (with the HTTP cache cleared first when cold)."""
-            if cold:
-                driver.get("about:blank")
-                driver.execute_cdp_cmd("Network.clearBrowserCache", {})
-            t0 = time.perf_counter()
-            driver.get(url + page)
-            until(driver, ready)
-            return time.perf_counter() - t0
+            return load_seconds(driver, url + page, ready, cold)
 
         results["overview_first_render_fresh_browser_s"] = load("", overview_ready, cold=False)
         results["overview_first_render_s"] = load("", overview_ready, cold=True)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.browser import DashboardProcess, RSSSampler, free_port, make_driver, until
+from bench.browser import DashboardProcess, RSSSampler, free_port, load_seconds, make_driver
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,13 +184,7 @@ def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
     driver = make_driver()
 
     def load(page: str, ready: str, cold: bool) -> float:
-        if cold:
-            driver.get("about:blank")
-            driver.execute_cdp_cmd("Network.clearBrowserCache", {})
-        t0 = time.perf_counter()
-        driver.get(url + page)
-        until(driver, ready)
-        return time.perf_counter() - t0
+        return load_seconds(driver, url + page, ready, cold)
 
     overview_ready = ("document.querySelectorAll('#ov-ranks tbody tr').length === 8"
                       " && document.querySelector('#ov-cards').innerText.includes('GPT')"

@@ -7,7 +7,8 @@
 How it sits under the Trainer's step machinery:
 
 - The watch starts at ``on_train_begin``, after ``accelerator.prepare``: on the ``model`` the callbacks
-  receive (the Trainer's ``self.model``, outside DDP and compile wrappers; the Watcher sees through FSDP's),
+  receive (the Trainer's ``self.model``, outside DDP wrappers; the Watcher sees through FSDP's), or, with
+  ``torch_compile=True``, on the compile wrapper the Trainer calls (sampled steps then run eagerly),
   with the torch optimizer inside accelerate's ``AcceleratedOptimizer`` (``.optimizer``), and
   ``boundaries="external"``.
 - The gradients are final at the torch optimizer's own step pre-hook: it runs inside
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..structure import unwrap
+from ..structure import compiled_modules, unwrap
 from . import LossMean, WatchOptions, announce, calling_trainer, guarded, require, scaler_skips
 
 __all__ = ["ModscopeCallback", "TrainerWatch"]
@@ -66,6 +67,17 @@ def _calling_trainer() -> Any:
     """The transformers.Trainer whose method (up the call stack) fired the current callback event."""
     found = calling_trainer()
     return found[1] if found is not None and found[0] == "transformers" else None
+
+
+def _called_model(model: Any, trainer: Any) -> Any:
+    """What the Trainer calls, when it is ``model`` compiled (``torch_compile=True``): the watcher must see the
+    compile wrapper to run its sampled steps eagerly rather than inside the compiled graph. Other wrappers
+    (DDP) stay outside: the callbacks' ``model`` is watched as it always was."""
+    wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
+    if isinstance(wrapped, torch.nn.Module) and wrapped is not model and unwrap(wrapped) is model \
+            and compiled_modules(wrapped).wrappers:
+        return wrapped
+    return model
 
 
 class TrainerWatch:
@@ -95,6 +107,7 @@ class TrainerWatch:
         if inner is not None and not isinstance(inner, torch.optim.Optimizer):
             inner = None                    # DeepSpeed's engine steps by itself: no torch optimizer to watch
         self._losses = LossMean()
+        model = _called_model(model, trainer)
         w = self.watcher = probes.watch(model, inner, boundaries="external", **self.options.kwargs())
         if inner is not None:
             self._pre_hook = inner.register_step_pre_hook(functools.partial(_gradients_final, w))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.browser import CHROMEDRIVER, CHROMIUM, chrome_options, free_port
+from bench.browser import CHROMEDRIVER, CHROMIUM, chrome_options, free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
@@ -56,13 +56,7 @@ class Server:
         raise RuntimeError(f"dashboard did not start:\n{self.output()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self.log.close()
 
 

@@ -144,6 +144,33 @@ def test_losses_are_bit_identical_with_and_without_the_callback(tmp_path, run_di
     assert all(torch.equal(a, b) for a, b in zip(plain_params, watched_params, strict=True))
 
 
+# ---------------------------------------------------------------------------------------- torch.compile
+def _compiled_run(tmp_path, callbacks):
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    dynamo.reset()
+    counters.clear()
+    t = train(gpt2(), tmp_path, callbacks, torch_compile=True, torch_compile_backend="eager")
+    return t, {k: dict(counters[k]) for k in ("stats", "graph_break", "recompiles")}
+
+
+def test_torch_compile_true_stays_compiled_under_the_callback(tmp_path, run_dir):
+    """The Trainer compiles the model it calls (accelerate's torch.compile wrapper); the callback watches
+    that wrapper, so sampled steps run eagerly and the graph is neither broken nor recompiled by hooks."""
+    _, bare_dynamo = _compiled_run(tmp_path, [])
+    from probes.integrations.transformers import ModscopeCallback
+    cb = ModscopeCallback(run_dir=run_dir, every=2)
+    t, watched_dynamo = _compiled_run(tmp_path, [cb])
+    assert type(t.model_wrapped).__name__ == "OptimizedModule"
+    assert bare_dynamo["stats"].get("unique_graphs", 0) >= 1
+    assert watched_dynamo == bare_dynamo
+    w = cb.watcher
+    assert len(steps(w.store_path)) == t.state.global_step == 8
+    assert_healthy(w.findings())
+    assert_user_paths(w.store_path)
+    assert any(g is not None for g in grad_norms(w.store_path, "transformer.h.0.mlp.c_fc.weight"))
+
+
 # ---------------------------------------------------------------------------------------- lifecycle
 class Failing(Net):
     def __init__(self, fail_at: int) -> None:
