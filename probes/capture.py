@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,6 +36,27 @@ MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are
 
 OutputKey = tuple[int, int, int, tuple[int, ...]]       # id, _version, data_ptr, shape of a module output
 UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # tensor_stats.UpdateSampler.take()
+
+
+# torch.compile(module) warns at each call of the wrapper while global module hooks exist, which ours do
+# during a sampled step (they skip the wrapper: it is not in the model index); not the user's concern
+_GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def _hide_global_hook_warning() -> Any:
+    warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
+    return warnings.filters[0]
+
+
+def _restore_warning_filters(entry: Any) -> None:
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]   # a list at run time
+    try:
+        filters.remove(entry)
+    except ValueError:
+        return                          # the user reset the filters meanwhile
+    mutated = getattr(warnings, "_filters_mutated", None)   # so cached decisions are made again
+    if callable(mutated):
+        mutated()
 
 
 class CallRecord(NamedTuple):
@@ -96,6 +118,7 @@ class StepRecord:
     compiled_calls: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
     eager_handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     stances: list[Any] = dataclasses.field(default_factory=list)
+    warning_filter: Any = None   # the filter that hides torch's warning about our global hooks, while they exist
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
     # weak reference tells that tensor apart from a later one that reuses its address after it was freed
     measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
@@ -184,6 +207,9 @@ class StepCapture:
             rec.eager_handles.clear()
             while rec.stances:                             # a forward that never returned
                 rec.stances.pop().__exit__(None, None, None)
+            if rec.warning_filter is not None:
+                _restore_warning_filters(rec.warning_filter)
+                rec.warning_filter = None
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()
@@ -231,6 +257,8 @@ class StepCapture:
             mod = torch.nn.modules.module
             rec.handles.append(mod.register_module_forward_pre_hook(self._eager(self.on_pre_forward)))
             rec.handles.append(mod.register_module_forward_hook(self._eager(self.on_forward)))
+            if self.compiled.wrappers:
+                rec.warning_filter = _hide_global_hook_warning()
             for t in index.grad_hook_targets():
                 assert t.tensor is not None
                 if t.tensor._backward_hooks is None:

@@ -243,3 +243,31 @@ def test_two_watched_compiled_models_leave_no_eager_stance_behind(tmp_path):
     assert frames >= 1                  # the second net's unsampled steps ran compiled
     torch.compile(lambda t: t * 2 + 1, backend="eager")(torch.ones(3))
     assert counters["frames"]["ok"] == frames + 1
+
+
+def test_a_compiled_model_called_twice_in_a_sampled_step_shows_no_warning_about_our_hooks(tmp_path):
+    """torch warns when torch.compile(module) is called while global module hooks exist; ours exist only
+    during a sampled step and skip the wrapper, so that warning is hidden then, and the filters restored."""
+    import warnings
+    model = zoo.MLP(din=8, hidden=8, dout=2, depth=1)
+    called = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        w = probes.watch(called, opt, run_dir=tmp_path / "run", every=1)
+        for _ in range(3):
+            for _micro in range(2):              # gradient accumulation: two forwards per sampled step
+                F.cross_entropy(called(torch.randn(4, 8)), torch.randint(0, 2, (4,))).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+        w.close()
+        assert warnings.filters == before
+        # the user's own global hook still gets torch's warning
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        called(torch.randn(4, 8))
+        handle.remove()
+    messages = [str(c.message) for c in caught]
+    assert sum("global hooks" in m for m in messages) == 1, messages
+    assert not w.probe_errors
