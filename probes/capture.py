@@ -116,6 +116,7 @@ class StepRecord:
     # while a compiled model runs this step eagerly: the compiled call of each module compiled in place, the
     # hooks on torch.compile wrappers, and the stances those hooks entered (innermost last)
     compiled_calls: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
+    compiled_methods: list[tuple[nn.Module, str, Any]] = dataclasses.field(default_factory=list)
     eager_handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     stances: list[Any] = dataclasses.field(default_factory=list)
     warning_filter: Any = None   # the filter that hides torch's warning about our global hooks, while they exist
@@ -202,6 +203,9 @@ class StepCapture:
             for module, call in rec.compiled_calls:
                 module._compiled_call_impl = call
             rec.compiled_calls.clear()
+            for module, name, compiled in rec.compiled_methods:
+                module.__dict__.setdefault(name, compiled)   # unless the user set another meanwhile
+            rec.compiled_methods.clear()
             for h in rec.eager_handles:
                 h.remove()
             rec.eager_handles.clear()
@@ -229,6 +233,10 @@ class StepCapture:
         for module in self.compiled.in_place:
             rec.compiled_calls.append((module, module._compiled_call_impl))
             module._compiled_call_impl = None          # this instance's __call__ runs _call_impl eagerly
+        for module, name in self.compiled.methods:
+            compiled = module.__dict__.pop(name, None)
+            if compiled is not None:                   # the class's own method answers for this step
+                rec.compiled_methods.append((module, name, compiled))
         if _HAS_STANCE:
             for wrapper in self.compiled.wrappers:
                 rec.eager_handles.append(wrapper.register_forward_pre_hook(self._enter_eager))

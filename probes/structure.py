@@ -465,24 +465,34 @@ def subtree_has_state_or_modes(module: nn.Module) -> bool:
 @dataclasses.dataclass(frozen=True)
 class CompiledModules:
     """What torch.compile put in a model: ``torch.compile(m)`` wrappers (OptimizedModule, at any depth: the
-    model the user calls, or a block replaced by its compiled self) and modules compiled in place
-    (``m.compile()``, which sets ``_compiled_call_impl``)."""
+    model the user calls, or a block replaced by its compiled self), modules compiled in place
+    (``m.compile()``, which sets ``_compiled_call_impl``) and methods replaced on an instance by their
+    compiled selves (``m.forward = torch.compile(m.forward)``; Lightning's ``from_compiled`` does it to
+    ``forward`` and ``training_step``)."""
 
     wrappers: tuple[nn.Module, ...] = ()
     in_place: tuple[nn.Module, ...] = ()
+    methods: tuple[tuple[nn.Module, str], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.wrappers or self.in_place)
+        return bool(self.wrappers or self.in_place or self.methods)
 
 
 def compiled_modules(model: nn.Module) -> CompiledModules:
-    wrappers, in_place = [], []
+    wrappers, in_place, methods = [], [], []
     for m in model.modules():
         if type(m).__name__ == "OptimizedModule":
             wrappers.append(m)
-        elif m.__dict__.get("_compiled_call_impl") is not None:
+            continue
+        attrs = m.__dict__
+        if attrs.get("_compiled_call_impl") is not None:
             in_place.append(m)
-    return CompiledModules(tuple(wrappers), tuple(in_place))
+        for name, value in attrs.items():
+            # only where removing the instance's attribute gives back the class's own (eager) method
+            if type(value) is types.FunctionType and hasattr(value, "_torchdynamo_orig_callable") \
+                    and callable(getattr(type(m), name, None)):
+                methods.append((m, name))
+    return CompiledModules(tuple(wrappers), tuple(in_place), tuple(methods))
 
 
 def model_device(model: nn.Module) -> str:

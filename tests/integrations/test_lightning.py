@@ -191,6 +191,34 @@ def test_losses_are_bit_identical_with_and_without_the_callback(run_dir):
 
 
 # ---------------------------------------------------------------------------------------- lifecycle
+def _compiled_fit(pl, callbacks):
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = lightning_net(pl)
+    fit(pl, torch.compile(net, backend="eager"), callbacks)   # Lightning's from_compiled: compiled methods
+    return net, {k: dict(counters[k]) for k in ("stats", "graph_break", "recompiles")}
+
+
+def test_a_compiled_lightning_module_stays_compiled(run_dir):
+    """fit(torch.compile(module)) compiles the module's forward and training_step on the instance: a sampled
+    step runs the class's own (eager) methods, so the hooks are never traced; unsampled steps compile."""
+    pl = pkg()
+    _, bare = _compiled_fit(pl, [])
+    from probes.integrations.lightning import ModscopeCallback
+    cb = ModscopeCallback(run_dir=run_dir, every=2)
+    net, watched = _compiled_fit(pl, [cb])
+    assert bare["stats"]["unique_graphs"] >= 1 and watched["stats"].get("unique_graphs", 0) >= 1
+    assert not watched["recompiles"]
+    assert set(watched["graph_break"]) <= set(bare["graph_break"])   # Lightning's own (self.log), none of ours
+    assert hasattr(vars(net)["training_step"], "_torchdynamo_orig_callable")   # put back after the fit
+    assert not cb.watcher.probe_errors
+    assert_healthy(cb.watcher.findings())
+    assert len(steps(cb.watcher.store_path)) == 16
+
+
 def test_an_exception_in_training_step_closes_the_watcher(run_dir):
     pl = pkg()
     cb = modscope(run_dir)

@@ -147,8 +147,8 @@ class _Blocks(nn.Module):
 
 
 def _dynamo_run(watch: bool, how: str, steps: int, run_dir, every: int = 2, compiled_loss: bool = False):
-    """``how``: "wrapper" (torch.compile(model)), "in_place" (model.compile()) or "blocks" (each Linear
-    compiled in place, two levels down)."""
+    """``how``: "wrapper" (torch.compile(model)), "in_place" (model.compile()), "blocks" (each block
+    compiled in place, two levels down) or "method" (model.forward = torch.compile(model.forward))."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
     dynamo.reset()
@@ -163,6 +163,8 @@ def _dynamo_run(watch: bool, how: str, steps: int, run_dir, every: int = 2, comp
     elif how == "blocks":
         for block in model.blocks:
             block.compile(backend="eager")
+    elif how == "method":
+        model.forward = torch.compile(model.forward, backend="eager")
     loss_fn = torch.compile(F.cross_entropy, backend="eager") if compiled_loss else F.cross_entropy
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     w = probes.watch(called, opt, run_dir=run_dir, every=every) if watch else None
@@ -196,7 +198,7 @@ def test_a_watched_compiled_model_stays_compiled(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
 
 
-@pytest.mark.parametrize("how", ["in_place", "blocks"])
+@pytest.mark.parametrize("how", ["in_place", "blocks", "method"])
 def test_a_model_compiled_in_place_stays_compiled(tmp_path, how):
     bare, bare_losses, _ = _dynamo_run(False, how, 40, None)
     watched, watched_losses, found = _dynamo_run(True, how, 40, tmp_path / "run")
