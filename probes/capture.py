@@ -225,6 +225,18 @@ class StepCapture:
             rec.hooked.clear()
         return rec
 
+    def set_compiled(self, found: CompiledModules) -> None:
+        """What torch.compile put in the model (``structure.compiled_modules``, at each index build). A build
+        during a sampled step does not see what that step swapped out: it is compiled all the same."""
+        rec = self.record
+        if rec is not None and (rec.compiled_calls or rec.compiled_methods):
+            found = CompiledModules(
+                found.wrappers,
+                found.in_place + tuple(m for m, _ in rec.compiled_calls if not any(m is x for x in found.in_place)),
+                found.methods + tuple((m, n) for m, n, _ in rec.compiled_methods
+                                      if not any(m is x and n == y for x, y in found.methods)))
+        self.compiled = found
+
     def _run_eagerly(self, rec: StepRecord) -> None:
         """A compiled model runs its sampled steps eagerly: the compiled graph never sees our hooks, so it is
         neither broken nor recompiled, and unsampled steps run it exactly as without modscope. Only this

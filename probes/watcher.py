@@ -264,7 +264,7 @@ class Watcher:
         self._writer.submit(records.structure_ops(self.rank, index.structure.modules, index.structure.tensors, step),
                             droppable=False)
         self._capture.index = index
-        self._capture.compiled = compiled_modules(model)
+        self._capture.set_compiled(compiled_modules(model))
         self._sentinel.mode_sensitive = index.mode_sensitive_modules()
         return index
 

@@ -210,6 +210,21 @@ def test_a_model_compiled_in_place_stays_compiled(tmp_path, how):
     assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
 
 
+@pytest.mark.parametrize(("how", "every"), [("in_place", 2), ("method", 2), ("method", 1)])
+def test_a_model_compiled_in_place_stays_compiled_across_rebuilds_of_the_index(tmp_path, monkeypatch, how, every):
+    """The model index is rebuilt at the end of a sampled step, while that step's compiled calls are swapped
+    out: they must still be known as compiled for the next sampled step (never traced with our hooks)."""
+    import probes.watcher
+    monkeypatch.setattr(probes.watcher, "REBUILD_EVERY", 1)       # a rebuild at every sample
+    bare, _, _ = _dynamo_run(False, how, 12, None)
+    watched, _, _ = _dynamo_run(True, how, 12, tmp_path / "run", every=every)
+    assert not watched["recompiles"] and not watched["graph_break"]
+    if every == 2:
+        assert watched["stats"] == bare["stats"]
+    else:
+        assert not watched["stats"]            # every step sampled: the model never runs its compiled code
+
+
 def test_only_the_watched_model_runs_eagerly_on_sampled_steps(tmp_path):
     """Every step sampled: the watched model always runs eagerly, but the compiled loss called between its
     forward and the next step (while the next sampled step is armed) is compiled as without modscope."""
