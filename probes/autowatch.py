@@ -54,6 +54,8 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from .api import process_rank, watch
+from .capture import hide_global_hook_warning, restore_warning_filters
+from .structure import unwrap
 from .watcher import Watcher
 
 __all__ = ["AutoWatch", "install"]
@@ -128,6 +130,7 @@ class AutoWatch:
         self._done: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._module_handles: list[RemovableHandle] = []
+        self._warning_filter: Any = None
         self._opt_handle: RemovableHandle | None = None
         self._tracking_since = 0.0
         self._noted: set[str] = set()
@@ -139,6 +142,7 @@ class AutoWatch:
             register_module_forward_pre_hook(self._on_forward_pre),
             register_module_forward_hook(self._on_forward, always_call=True),
         ]
+        self._warning_filter = hide_global_hook_warning()      # torch.compile wrappers warn about these hooks
         self._tracking_since = time.perf_counter()
         self._opt_handle = register_optimizer_step_post_hook(self._on_step)
         return self
@@ -219,6 +223,9 @@ class AutoWatch:
                 h.remove()
             self._module_handles = []
             self.tracking_s = time.perf_counter() - self._tracking_since
+        if self._warning_filter is not None:
+            restore_warning_filters(self._warning_filter)
+            self._warning_filter = None
 
     # ----------------------------------------------------------------------------- adoption
     def _adopt(self, opt: Optimizer) -> None:
@@ -247,11 +254,12 @@ class AutoWatch:
             self._pending.pop(id(other), None)
         w = watch(model, group if len(group) > 1 else opt, run_dir=self.run_dir, every=self.every,
                   overhead=self.overhead)
-        self._names[id(w)] = type(model).__name__
+        name = type(unwrap(model)).__name__            # the user's class, not a DDP or compile wrapper's
+        self._names[id(w)] = name
         self._watched.add(model)
         self.watchers.append(w)
         if process_rank()[0] == 0:
-            self._say(f"modscope: watching {type(model).__name__} -> {self.run_dir}")
+            self._say(f"modscope: watching {name} -> {self.run_dir}")
 
     def _adopt_framework(self, opt: Optimizer) -> bool:
         """Under a Lightning or Hugging Face Trainer that steps ``opt``: its callback watches (it prints the

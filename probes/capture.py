@@ -29,7 +29,8 @@ from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
 from .structure import CompiledModules, ModuleNode, unit_dim
 
-__all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline"]
+__all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline",
+           "hide_global_hook_warning", "restore_warning_filters"]
 
 _HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance")   # torch >= 2.6
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
@@ -43,12 +44,14 @@ UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # tensor_s
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
-def _hide_global_hook_warning() -> Any:
+def hide_global_hook_warning() -> Any:
+    """Hide torch's warning about global module hooks (ours) at torch.compile wrapper calls; returns the
+    filter for :func:`restore_warning_filters`."""
     warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
     return warnings.filters[0]
 
 
-def _restore_warning_filters(entry: Any) -> None:
+def restore_warning_filters(entry: Any) -> None:
     filters: list[Any] = warnings.filters  # type: ignore[assignment]   # a list at run time
     try:
         filters.remove(entry)
@@ -212,7 +215,7 @@ class StepCapture:
             while rec.stances:                             # a forward that never returned
                 rec.stances.pop().__exit__(None, None, None)
             if rec.warning_filter is not None:
-                _restore_warning_filters(rec.warning_filter)
+                restore_warning_filters(rec.warning_filter)
                 rec.warning_filter = None
             for h in rec.handles:
                 h.remove()
@@ -278,7 +281,7 @@ class StepCapture:
             rec.handles.append(mod.register_module_forward_pre_hook(self._eager(self.on_pre_forward)))
             rec.handles.append(mod.register_module_forward_hook(self._eager(self.on_forward)))
             if self.compiled.wrappers:
-                rec.warning_filter = _hide_global_hook_warning()
+                rec.warning_filter = hide_global_hook_warning()
             for t in index.grad_hook_targets():
                 assert t.tensor is not None
                 if t.tensor._backward_hooks is None:

@@ -381,6 +381,34 @@ def test_a_gan_and_a_model_built_later_are_all_watched(tmp_path):
     assert runs <= {s["path"].name.split("-rank")[0][len("modscope-"):] for s in stores(tmp_path / "later-run")}
 
 
+COMPILED = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+called = torch.compile(model, backend="eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(12):
+    loss = F.cross_entropy(called(torch.randn(8, 8)), torch.randint(0, 2, (8,)))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("BREAKS", len(counters["graph_break"]), "RECOMPILES", len(counters["recompiles"]))
+'''
+
+
+def test_a_compiled_model_is_watched_by_its_own_name_without_warnings(tmp_path):
+    write(tmp_path / "compiled.py", COMPILED)
+    r = modscope("run", "--run-dir", "runs", "--every", "2", "compiled.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert lines(r.stdout, "BREAKS") == ["0 RECOMPILES 0"]
+    assert r.stderr.count("modscope: watching Sequential -> runs") == 1     # not "OptimizedModule"
+    assert "global hooks" not in r.stderr                  # torch's warning about the hooks modscope holds
+    (store,) = stores(tmp_path / "runs")
+    assert store["model_class"].endswith("Sequential") and store["step"] > 0
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_dataloader_workers_are_never_watched(tmp_path, method):
     write(tmp_path / "loader.py", LOADER)
