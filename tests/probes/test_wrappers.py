@@ -168,16 +168,7 @@ def _dynamo_run(watch: bool, how: str, steps: int, run_dir, every: int = 2, comp
     loss_fn = torch.compile(F.cross_entropy, backend="eager") if compiled_loss else F.cross_entropy
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     w = probes.watch(called, opt, run_dir=run_dir, every=every) if watch else None
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
-        loss = loss_fn(called(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if w is not None:
-            w.step(loss)
-        losses.append(loss.detach())
+    losses = train(called, opt, w, steps, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))), loss_fn)
     found = []
     if w is not None:
         found = w.findings()
