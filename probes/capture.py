@@ -96,7 +96,7 @@ class StepRecord:
     rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
     out_grads: dict[int, list[TensorSlot]] = dataclasses.field(default_factory=dict)  # module id -> grad norms
     small_grads: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # (copy, modules)
-    retained: list[tuple[torch.Tensor, OutputKey]] = dataclasses.field(default_factory=list)  # small outputs
+    retained: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # small outputs
     order: int = 0
     stack: list[int] = dataclasses.field(default_factory=list)                  # modules in a call now
     root_training: bool | None = None
@@ -175,8 +175,8 @@ class StepCapture:
         self.index = None
         self.compiled = CompiledModules()
 
-    def _output_grad_hook(self, rec: StepRecord, key: OutputKey) -> Callable[[torch.Tensor], None]:
-        hook = functools.partial(self.on_output_grad, rec, key)
+    def _output_grad_hook(self, rec: StepRecord, targets: list[int]) -> Callable[[torch.Tensor], None]:
+        hook = functools.partial(self.on_output_grad, rec, targets)
         return self._eager(hook) if self.compiled else hook
 
     def _eager(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -399,22 +399,23 @@ class StepCapture:
         rec.measured[key] = (slot, weakref.ref(x))
         rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel))
         if grad_on and x.requires_grad:
-            rec.grad_targets[key] = [mid]
+            # the modules sharing this output, bound to it now: once the output is freed, a later output
+            # may get its key (address, id, version 0) while its gradient is still to come
+            targets = rec.grad_targets[key] = [mid]
             if numel <= batch.SMALL_OUTPUT and x.grad_fn is not None:
                 # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
                 # one); read, normed with the others and dropped at the end of the step
                 x.retain_grad()
-                rec.retained.append((x, key))
+                rec.retained.append((x, targets))
             else:
-                x.register_hook(self._output_grad_hook(rec, key))
+                x.register_hook(self._output_grad_hook(rec, targets))
 
     # ====================================================================== backward
-    def on_output_grad(self, rec: StepRecord, key: OutputKey, grad: torch.Tensor) -> None:
+    def on_output_grad(self, rec: StepRecord, sharing: list[int], grad: torch.Tensor) -> None:
         if rec is not self.record or self.closed:
             return
         with self.probe.guard("output-grad-hook"):
-            targets = [mid for mid in rec.grad_targets.get(key, ())
-                       if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED]
+            targets = [mid for mid in sharing if len(rec.out_grads.get(mid, ())) < MAX_CALLS_MEASURED]
             if grad.numel() <= batch.SMALL_OUTPUT:
                 # normed with the others at the end of the step (a copy: autograd may reuse the buffer)
                 rec.small_grads.append((grad.detach().clone(), targets))
@@ -477,23 +478,32 @@ class StepCapture:
         tensors no optimizer holds. The record stays armed until :meth:`detach`."""
         rec, index = self.record, self.index
         assert rec is not None and index is not None
-        for x, key in rec.retained:
+        small = rec.small_grads               # copies made by gradient hooks during backward (slot -1)
+        hooked = len(small)
+        kept: list[list[int]] = []
+        for x, sharing in rec.retained:
             grad = x.grad
-            if grad is None:
-                continue
-            x.grad = None                       # what the user holds is left as it was
-            targets = [m for m in rec.grad_targets.get(key, ()) if len(rec.out_grads.get(m, ())) < MAX_CALLS_MEASURED]
-            rec.small_grads.append((grad, targets))
-            for mid in targets:
-                rec.out_grads.setdefault(mid, []).append(TensorSlot(-1, len(rec.small_grads) - 1))
+            if grad is not None:
+                x.grad = None                   # what the user holds is left as it was
+                small.append((grad, sharing))
+                kept.append(sharing)
         rec.retained.clear()
-        if rec.small_grads:
-            norms = tensor_stats.norms([g for g, _ in rec.small_grads])
+        if small:
+            norms = tensor_stats.norms([g for g, _ in small])
             assert norms is not None
             slot = rec.measurements.add(norms)
-            for mid, slots in rec.out_grads.items():
-                rec.out_grads[mid] = [TensorSlot(slot, s.pos) if s.slot == -1 else s for s in slots]
-            rec.small_grads.clear()
+            out_grads = rec.out_grads
+            if hooked:
+                for mid, slots in out_grads.items():
+                    out_grads[mid] = [TensorSlot(slot, s.pos) if s.slot == -1 else s for s in slots]
+            for pos, sharing in enumerate(kept, hooked):
+                for mid in sharing:
+                    have = out_grads.get(mid)
+                    if have is None:
+                        out_grads[mid] = [TensorSlot(slot, pos)]
+                    elif len(have) < MAX_CALLS_MEASURED:
+                        have.append(TensorSlot(slot, pos))
+            small.clear()
         remaining = [t for t in index.gradient_tensors() if t not in rec.grads]
         if remaining:
             self.measure_grads(rec, remaining)

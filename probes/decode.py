@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from . import tensor_stats
-from .capture import StepRecord, TensorSlot
+from .capture import CallRecord, StepRecord, TensorSlot
 from .measure import Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
 
@@ -67,53 +68,93 @@ class TensorColumns:
                 if g is not None and not math.isfinite(g)]
 
 
-def _none_if_negative(v: float) -> float | None:
-    return None if v < 0 else v
-
-
 def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns:
     """One entry per module measured in the step; several calls are aggregated (mean of means, max of
-    abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest)."""
+    abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest).
+
+    Column by column: every fetched call's statistics are laid end to end, each module picks its position,
+    and each column is taken in one C-level pass (a model of 15,000 modules measures 15,000 per step)."""
     cols = ModuleColumns(step)
+    where, isnan = values.where, math.isnan
+    # every device's columns end to end, then the aggregates of modules called more than once
+    offsets, off = [], 0
+    for c in values.columns:
+        offsets.append(off)
+        off += len(c.slots)
+    agg: list[tuple[float, float, float, float, float, float, float, bytes]] = []
+    positions: list[int] = []
+    firsts: list[CallRecord] = []
     for mid, all_calls in rec.rows.items():
-        calls = [k for k in all_calls if values.has(k.slot)]
-        if not calls:
-            continue                    # its only output was changed in place before it could be read
-        first = calls[0]
-        c, i = values.call(first.slot)
-        if len(calls) == 1:                                  # the common case: one call
-            mean, std, absmax, zero, dead, sat, nonfinite = (c.mean[i], c.std[i], c.absmax[i], c.zero_frac[i],
-                                                             c.dead_frac[i], c.sat_frac[i], c.nonfinite[i])
-            hist = c.hist[i]
+        if len(all_calls) == 1:
+            first = all_calls[0]
+            loc = where.get(first.slot)
+            if loc is None:
+                continue                # its only output was changed in place before it could be read
+            positions.append(offsets[loc[0]] + loc[1])
         else:
-            where = [values.call(k.slot) for k in calls]
-            n = len(where)
-            mean = sum(cc.mean[j] for cc, j in where) / n
-            std = sum(cc.std[j] for cc, j in where) / n
-            absmax = max(cc.absmax[j] for cc, j in where)
-            dead, sat = where[-1][0].dead_frac[where[-1][1]], sum(cc.sat_frac[j] for cc, j in where) / n
-            nonfinite = sum(cc.nonfinite[j] for cc, j in where)
-            counts = [sum(col) for col in zip(*(decode_hist(cc.hist[j]) or [] for cc, j in where), strict=True)]
-            total = sum(counts)
-            zero = counts[ZERO_BIN] / total if total else math.nan
-            hist = encode_hist(counts)
-        grads = rec.out_grads.get(mid)
+            calls = [k for k in all_calls if k.slot in where]
+            if not calls:
+                continue
+            first = calls[0]
+            if len(calls) == 1:
+                loc = where[first.slot]
+                positions.append(offsets[loc[0]] + loc[1])
+            else:
+                agg.append(_aggregate(values, calls))
+                positions.append(off + len(agg) - 1)
         cols.module_ids.append(mid)
-        cols.calls.append(rec.calls.get(mid, len(calls)))
-        cols.numel.append(first.numel)
-        cols.mean.append(mean)
-        cols.std.append(std)
-        cols.absmax.append(absmax)
-        cols.zero_frac.append(None if math.isnan(zero) else zero)
-        cols.dead_frac.append(_none_if_negative(dead))
-        cols.sat_frac.append(_none_if_negative(sat))
-        cols.nonfinite.append(first.numel if math.isnan(nonfinite) else int(nonfinite))
-        cols.out_grad_norm.append(sum(values[s.slot][s.pos] for s in grads) / len(grads) if grads else None)
-        cols.order.append(first.order)
-        cols.training.append(first.training)
-        cols.grad_enabled.append(first.grad_enabled)
-        cols.hist.append(hist)
+        firsts.append(first)
+    if not positions:
+        return cols
+
+    def column(name: str, extra: int) -> list[Any]:
+        whole: list[Any] = [v for c in values.columns for v in getattr(c, name)] if len(values.columns) != 1 \
+            else getattr(values.columns[0], name)
+        if agg:
+            whole = [*whole, *(a[extra] for a in agg)]
+        return list(map(whole.__getitem__, positions))
+
+    cols.mean, cols.std, cols.absmax = column("mean", 0), column("std", 1), column("absmax", 2)
+    cols.zero_frac = [None if isnan(z) else z for z in column("zero_frac", 3)]          # NaN: no sample
+    cols.dead_frac = [None if v < 0 else v for v in column("dead_frac", 4)]
+    cols.sat_frac = [None if v < 0 else v for v in column("sat_frac", 5)]
+    cols.numel = [f.numel for f in firsts]
+    cols.nonfinite = [n if isnan(v) else int(v) for v, n in zip(column("nonfinite", 6), cols.numel, strict=True)]
+    cols.hist = column("hist", 7)
+    counted = rec.calls       # every module with a row was counted (capture)
+    cols.calls = [counted.get(mid) or sum(1 for k in rec.rows[mid] if k.slot in where) for mid in cols.module_ids]
+    cols.order = [f.order for f in firsts]
+    cols.training = [f.training for f in firsts]
+    cols.grad_enabled = [f.grad_enabled for f in firsts]
+    out_grads, plain = rec.out_grads, values.plain
+    norms: list[float | None] = []
+    for mid in cols.module_ids:
+        grads = out_grads.get(mid)
+        if not grads:
+            norms.append(None)
+        elif len(grads) == 1:
+            s = grads[0]
+            norms.append(plain[s.slot][s.pos])
+        else:
+            norms.append(sum(plain[s.slot][s.pos] for s in grads) / len(grads))
+    cols.out_grad_norm = norms
     return cols
+
+
+def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[float, float, float, float, float, float,
+                                                                  float, bytes]:
+    """A module called several times: (mean, std, abs-max, zero, dead, saturated, non-finite, hist)."""
+    where = [values.call(k.slot) for k in calls]
+    n = len(where)
+    mean = sum(cc.mean[j] for cc, j in where) / n
+    std = sum(cc.std[j] for cc, j in where) / n
+    absmax = max(cc.absmax[j] for cc, j in where)
+    dead, sat = where[-1][0].dead_frac[where[-1][1]], sum(cc.sat_frac[j] for cc, j in where) / n
+    nonfinite = sum(cc.nonfinite[j] for cc, j in where)
+    counts = [sum(col) for col in zip(*(decode_hist(cc.hist[j]) or [] for cc, j in where), strict=True)]
+    total = sum(counts)
+    zero = counts[ZERO_BIN] / total if total else math.nan
+    return mean, std, absmax, zero, dead, sat, nonfinite, encode_hist(counts)
 
 
 def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callable[[int], int]) -> TensorColumns:

@@ -301,18 +301,19 @@ class Fetched:
     def __init__(self, plain: list[list[float]], calls: list[CallColumns]) -> None:
         self.plain = plain
         self.columns = calls
-        self._where = {slot: (c, i) for c, cols in enumerate(calls) for i, slot in enumerate(cols.slots)}
+        # slot -> (which columns, row): the calls measured (an output changed in place after its hook was not)
+        self.where = {slot: (c, i) for c, cols in enumerate(calls) for i, slot in enumerate(cols.slots)}
 
     def __getitem__(self, slot: int) -> list[float]:
         return self.plain[slot]
 
     def call(self, slot: int) -> tuple[CallColumns, int]:
-        c, i = self._where[slot]
+        c, i = self.where[slot]
         return self.columns[c], i
 
     def has(self, slot: int) -> bool:
         """The call in ``slot`` was measured (an output changed in place after its hook was not)."""
-        return slot in self._where
+        return slot in self.where
 
     def rows(self) -> list[list[float]]:
         out = list(self.plain)
