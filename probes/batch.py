@@ -73,7 +73,7 @@ def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkLayoutSpec:
-    """What probes.measure.CallLayout needs, per call."""
+    """What probes.measure.CallLayout needs, per call (one object for all the calls of a group)."""
 
     numel: int
     units: int
@@ -82,136 +82,66 @@ class ChunkLayoutSpec:
     sat: bool
 
 
-@dataclasses.dataclass
-class _Plan:
-    elem_call: torch.Tensor        # [E] call of each value
-    elem_unit: torch.Tensor        # [E] global unit of each value
-    sample_pos: torch.Tensor       # [S] positions of the histogram samples
-    sat_tanh: torch.Tensor | None  # [E] bool: the value belongs to a tanh-like call
-    sat_sigmoid: torch.Tensor | None
-    perm: torch.Tensor             # positions in the component vector of every value of the chunks
+class ReducedCalls(NamedTuple):
+    """The raw chunks of a batch of small calls, back to back in ``chunk``: call ``order[j]`` (its position
+    in the batch) starts at ``starts[j]`` and has layout ``specs[j]``."""
+
+    chunk: torch.Tensor
+    order: list[int]
+    starts: list[int]
     specs: list[ChunkLayoutSpec]
-    chunk_sizes: list[int]
-    n_calls: int
-    n_units: int
-
-
-_PLANS: dict[tuple[object, ...], _Plan] = {}
+    known_nonfinite: int | None       # 0 for all calls when known on the host, else counted into each chunk
 
 
 def release_caches() -> None:
-    _PLANS.clear()
+    """Nothing is cached across steps any more (kept for probes.measure.release_caches)."""
 
 
-def _plan(calls: Sequence[SmallCall], order: Sequence[int], with_nonfinite: bool, device: torch.device) -> _Plan:
-    """``calls`` in the order their values are concatenated; ``order[j]``: the call's position in the step
-    (the chunks come out in the step's order)."""
-    key = (device, with_nonfinite, tuple(order),
-           tuple((c.values.numel(), c.units, c.inner, c.sat, c.track) for c in calls))
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
-    n_calls = len(calls)
-    numels = [c.values.numel() for c in calls]
-    units = [c.units for c in calls]
-    unit_off = [0]
-    for u in units:
-        unit_off.append(unit_off[-1] + u)
-    elem_call = torch.repeat_interleave(torch.arange(n_calls), torch.tensor(numels))
-    elem_unit = torch.cat([torch.arange(n) // c.inner % c.units + unit_off[i]
-                           for i, (n, c) in enumerate(zip(numels, calls, strict=True))])
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
-    sample_parts, samples = [], []
-    for i, n in enumerate(numels):
-        stride = max(1, n // HIST_SAMPLE)
-        pos = torch.arange(0, min(n, stride * HIST_SAMPLE), stride) + starts[i]
-        sample_parts.append(pos)
-        samples.append(pos.numel())
-    sample_pos = torch.cat(sample_parts)
-    kinds = [c.sat for c in calls]
-    sat_tanh = sat_sigmoid = None
-    if "tanh" in kinds:
-        sat_tanh = torch.repeat_interleave(torch.tensor([k == "tanh" for k in kinds]), torch.tensor(numels))
-    if "sigmoid" in kinds:
-        sat_sigmoid = torch.repeat_interleave(torch.tensor([k == "sigmoid" for k in kinds]), torch.tensor(numels))
-    # components, in order: sums [C], squares [C], (non-finite [C]), (saturated [C]), unit max [U],
-    # unit min [U], samples [S]; each call's chunk picks its values out of them
-    has_sat = sat_tanh is not None or sat_sigmoid is not None
-    base = {"sum": 0, "sq": n_calls}
-    nxt = 2 * n_calls
-    if with_nonfinite:
-        base["nonfinite"] = nxt
-        nxt += n_calls
-    if has_sat:
-        base["sat"] = nxt
-        nxt += n_calls
-    base["umax"], base["umin"] = nxt, nxt + unit_off[-1]
-    base["sample"] = nxt + 2 * unit_off[-1]
-    chunk_parts: list[list[int]] = []
-    flat_specs: list[ChunkLayoutSpec] = []
-    sample_off = 0
+def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> ReducedCalls:
+    """Every call's raw chunk, as :func:`probes.measure.call_chunk` makes it for one output. Calls of one shape,
+    dtype and layout are stacked and reduced together with dense reductions (per-unit extremes over the
+    non-unit dimensions, like call_chunk): a handful of kernels per shape whatever the number of calls.
+    Chunks come out group by group, not in the step's order (``order`` and ``starts`` say where each is).
+    The NaN/Inf count is known on the host (0) where reading a scalar is free and the squares are finite."""
+    groups: dict[tuple[torch.Size, torch.dtype, int, int, str | None, bool], list[int]] = {}
     for i, c in enumerate(calls):
-        head = [base["sum"] + i, base["sq"] + i]
-        if with_nonfinite:
-            head.append(base["nonfinite"] + i)
-        if c.sat is not None:
-            head.append(base["sat"] + i)
-        u = units[i]
-        umax = list(range(base["umax"] + unit_off[i], base["umax"] + unit_off[i] + u))
-        umin = list(range(base["umin"] + unit_off[i], base["umin"] + unit_off[i] + u))
-        smp = list(range(base["sample"] + sample_off, base["sample"] + sample_off + samples[i]))
-        sample_off += samples[i]
-        chunk_parts.append(head + umax + umin + smp)
-        flat_specs.append(ChunkLayoutSpec(numels[i], u, c.track and u <= MAX_UNITS, samples[i], c.sat is not None))
-    flat_of = {call: j for j, call in enumerate(order)}         # step position -> concatenation position
-    perm = [p for i in range(n_calls) for p in chunk_parts[flat_of[i]]]
-    specs = [flat_specs[flat_of[i]] for i in range(n_calls)]
-    sizes = [len(chunk_parts[flat_of[i]]) for i in range(n_calls)]
-    if len(_PLANS) >= 4:
-        _PLANS.clear()
-    plan = _PLANS[key] = _Plan(elem_call.to(device), elem_unit.to(device), sample_pos.to(device),
-                               None if sat_tanh is None else sat_tanh.to(device),
-                               None if sat_sigmoid is None else sat_sigmoid.to(device),
-                               torch.tensor(perm, dtype=torch.int64).to(device), specs, sizes, n_calls, unit_off[-1])
-    return plan
-
-
-def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> tuple[torch.Tensor, list[ChunkLayoutSpec],
-                                                                                list[int], int | None]:
-    """One chunk tensor holding every call's raw chunk back to back, the layout of each, their sizes, and the
-    NaN/Inf count when it is known on the host (0 for all calls: only where reading a scalar is free)."""
-    device = calls[0].values.device
-    # stacked by shape (one op per shape, not a flattening view per call), shapes in order of appearance
-    groups: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
-    for i, c in enumerate(calls):
-        groups.setdefault((c.values.shape, c.values.dtype), []).append(i)
-    order = [i for idx in groups.values() for i in idx]
-    flat = torch.cat([torch.stack([calls[i].values for i in idx]).reshape(-1).float() for idx in groups.values()])
-    squares = flat * flat
+        groups.setdefault((c.values.shape, c.values.dtype, c.units, c.inner, c.sat, c.track), []).append(i)
+    stacked: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+    squares: list[torch.Tensor] = []
+    for idx in groups.values():
+        v = torch.stack([calls[i].values for i in idx]).reshape(len(idx), -1)
+        v = v if v.dtype == torch.float32 else v.float()
+        stacked.append(v)
+        sums.append(v.sum(1))
+        squares.append(torch.linalg.vecdot(v, v))
     known: int | None = None
-    if scalar_reads_free and math.isfinite(float(squares.sum())):
+    if scalar_reads_free and math.isfinite(float(sum(float(q.sum()) for q in squares))):
         known = 0
-    plan = _plan([calls[i] for i in order], order, known is None, device)
-    sums = torch.zeros(plan.n_calls, device=device).index_add_(0, plan.elem_call, flat)
-    sq = torch.zeros(plan.n_calls, device=device).index_add_(0, plan.elem_call, squares)
-    parts = [sums, sq]
-    if known is None:
-        bad = (~torch.isfinite(flat)).to(torch.float32)
-        parts.append(torch.zeros(plan.n_calls, device=device).index_add_(0, plan.elem_call, bad))
-    if plan.sat_tanh is not None or plan.sat_sigmoid is not None:
-        mask = torch.zeros_like(flat, dtype=torch.bool)
-        if plan.sat_tanh is not None:
-            mask |= plan.sat_tanh & (flat.abs() > 0.99)
-        if plan.sat_sigmoid is not None:
-            mask |= plan.sat_sigmoid & ((flat < 0.01) | (flat > 0.99))
-        counts = torch.zeros(plan.n_calls, device=device).index_add_(0, plan.elem_call, mask.to(torch.float32))
-        numel = torch.tensor([s.numel for s in plan.specs], dtype=torch.float32, device=device)
-        parts.append(counts / numel)
-    umax = torch.full((plan.n_units,), -math.inf, device=device).scatter_reduce_(
-        0, plan.elem_unit, flat, "amax", include_self=False)
-    umin = torch.full((plan.n_units,), math.inf, device=device).scatter_reduce_(
-        0, plan.elem_unit, flat, "amin", include_self=False)
-    parts += [umax, umin, flat[plan.sample_pos]]
-    return torch.cat(parts)[plan.perm], plan.specs, plan.chunk_sizes, known
+    mats: list[torch.Tensor] = []
+    order: list[int] = []
+    starts: list[int] = []
+    specs: list[ChunkLayoutSpec] = []
+    pos = 0
+    for (_, _, units, inner, sat, track), idx, v, total, sq in zip(groups, groups.values(), stacked, sums,
+                                                                   squares, strict=True):
+        g, n = v.shape
+        head = [total, sq]
+        if known is None:
+            head.append((~torch.isfinite(v)).sum(1).to(torch.float32))
+        if sat == "tanh":
+            head.append((v.abs() > 0.99).sum(1).to(torch.float32) / n)
+        elif sat == "sigmoid":
+            head.append(((v < 0.01) | (v > 0.99)).sum(1).to(torch.float32) / n)
+        by_unit = v.view(g, n // (units * inner), units, inner)
+        stride = max(1, n // HIST_SAMPLE)
+        sample = v[:, :stride * HIST_SAMPLE:stride]
+        mat = torch.cat([torch.stack(head, 1), by_unit.amax(dim=(1, 3)), by_unit.amin(dim=(1, 3)), sample], 1)
+        mats.append(mat.reshape(-1))
+        spec = ChunkLayoutSpec(n, units, track and units <= MAX_UNITS, sample.shape[1], sat is not None)
+        width = mat.shape[1]
+        order.extend(idx)
+        starts.extend(range(pos, pos + g * width, width))
+        specs.extend([spec] * g)
+        pos += g * width
+    return ReducedCalls(torch.cat(mats) if len(mats) > 1 else mats[0], order, starts, specs, known)

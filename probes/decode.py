@@ -161,29 +161,37 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callabl
     """One entry per tensor measured in the step. The update norm measured on the sampled values is scaled to
     the whole tensor; when the sample saw no change but the data norm did, the change of the norm is a lower
     bound of the update."""
-    def pick(slots: Mapping[int, TensorSlot], tid: int) -> float | None:
-        sp = slots.get(tid)
-        return values[sp.slot][sp.pos] if sp is not None else None
+    plain = values.plain
 
-    cols = TensorColumns(step)
-    for tid in sorted(set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints)):
-        data, update = pick(rec.data, tid), pick(rec.updates, tid)
-        if update is not None:
-            numel = numel_of(tid)
-            k = tensor_stats.sample_size(numel)
-            update *= math.sqrt(numel / k) if k else 0.0
-            post = pick(rec.post, tid)
-            if update == 0.0 and post is not None and data is not None and post != data:
-                update = abs(post - data)
-        cols.tensor_ids.append(tid)
-        cols.grad_norm.append(pick(rec.grads, tid))
-        cols.data_norm.append(data)
-        cols.update_norm.append(update)
-        cols.stale_grad_norm.append(values[rec.stale[tid]][0] if tid in rec.stale else None)
-        cols.arrived.append(tid in rec.arrived)
-        cols.lr.append(rec.lrs.get(tid))
-        cols.fingerprint.append(pick(rec.fingerprints, tid))
-        cols.local_grad_norm.append(values[rec.local_grads[tid]][0] if tid in rec.local_grads else None)
+    def column(slots: Mapping[int, TensorSlot]) -> list[float | None]:
+        get = slots.get
+        return [None if (sp := get(tid)) is None else plain[sp.slot][sp.pos] for tid in tids]
+
+    def first_value(slots: Mapping[int, int]) -> list[float | None]:
+        get = slots.get
+        return [None if (slot := get(tid)) is None else plain[slot][0] for tid in tids]
+
+    tids = sorted(set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints))
+    cols = TensorColumns(step, tids)
+    cols.grad_norm, cols.data_norm, cols.fingerprint = column(rec.grads), column(rec.data), column(rec.fingerprints)
+    updates = column(rec.updates)
+    for j, (tid, sampled) in enumerate(zip(tids, updates, strict=True)):
+        if sampled is None:
+            continue
+        numel = numel_of(tid)
+        k = tensor_stats.sample_size(numel)
+        update = sampled * (math.sqrt(numel / k) if k else 0.0)
+        if update == 0.0:
+            post, data = rec.post.get(tid), cols.data_norm[j]
+            if post is not None and data is not None and plain[post.slot][post.pos] != data:
+                update = abs(plain[post.slot][post.pos] - data)
+        updates[j] = update
+    cols.update_norm = updates
+    cols.stale_grad_norm = first_value(rec.stale)
+    cols.local_grad_norm = first_value(rec.local_grads)
+    arrived, lrs = rec.arrived, rec.lrs.get
+    cols.arrived = [tid in arrived for tid in tids]
+    cols.lr = [lrs(tid) for tid in tids]
     return cols
 
 

@@ -184,10 +184,11 @@ class StepMeasurements:
         self.changed_keys = set()
         for item in self._small:
             call = item[1]
-            if call.source is not None and call.changed():
+            source = call.source
+            if source is not None and source._version != call.version:      # call.changed(), inline
                 self.changed_keys.add(item[2])
-                if call.lost():
-                    continue                 # not what the module returned: no row this step
+                if call.values is source:
+                    continue                 # lost: not what the module returned, no row this step
             batches.setdefault(call.values.device, []).append(item)
         groups = []
         for device in dict.fromkeys([*plain, *single, *batches]):
@@ -207,12 +208,17 @@ class StepMeasurements:
             items = batches.get(device)
             if items:
                 with torch.no_grad():        # kept outputs may require grad: the batch records no graph
-                    chunk, specs, sizes, known = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
-                parts.append(chunk)
-                for (slot, _, key), spec, size in zip(items, specs, sizes, strict=True):
-                    call_slots.append((slot, pos, CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
-                                                             known, spec.sat), key))
-                    pos += size
+                    reduced = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
+                parts.append(reduced.chunk)
+                layouts: dict[batch.ChunkLayoutSpec, CallLayout] = {}     # one per group of calls
+                for j, start, spec in zip(reduced.order, reduced.starts, reduced.specs, strict=True):
+                    group_layout = layouts.get(spec)
+                    if group_layout is None:
+                        group_layout = layouts[spec] = CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
+                                                            reduced.known_nonfinite, spec.sat)
+                    slot, _, key = items[j]
+                    call_slots.append((slot, pos + start, group_layout, key))
+                pos += reduced.chunk.numel()
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
             dev = torch.cat(parts)
             host, event = _start_copy(dev)

@@ -61,17 +61,19 @@ def _live_parameters(model: nn.Module) -> list[torch.Tensor]:
     seen_modules: set[int] = set()
     seen: set[int] = set()
     out: list[torch.Tensor] = []
-    stack = [model]
+    stack: list[nn.Module | None] = [model]
     while stack:
         m = stack.pop()
-        if id(m) in seen_modules:
+        if m is None or id(m) in seen_modules:
             continue
         seen_modules.add(id(m))
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        stack.extend(c for c in m._modules.values() if c is not None)
+        if m._parameters:
+            for p in m._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        if m._modules:
+            stack.extend(m._modules.values())
     return out
 
 
@@ -79,8 +81,8 @@ def model_signature(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     """Changes when parameters are replaced, materialised (lazy), frozen or unfrozen, or when the
     optimizers' param groups change: then the index must be rebuilt."""
     # type(p) is Parameter rules out a lazy parameter without the isinstance test (10,000s of parameters)
-    params = tuple((id(p), type(p) is not nn.Parameter and is_uninitialized(p), p.requires_grad)
-                   for p in _live_parameters(model))
+    params = tuple([(id(p), type(p) is not nn.Parameter and is_uninitialized(p), p.requires_grad)
+                    for p in _live_parameters(model)])
     held = tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
     return (params, held)
 
