@@ -161,6 +161,21 @@ def test_histogram_leaves_out_nan_and_inf():
     assert head["nonfinite"] == 2 and sum(hist) == 2
 
 
+def test_histogram_bins_by_table_equal_the_binary_search():
+    """The histogram's bins come from a table indexed by a float's top 16 bits; every finite float32 prefix,
+    at both ends of its range and in between, and the edges with their neighbours, land in the bin a binary
+    search over the edges gives."""
+    prefixes = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low_bits = torch.cat([torch.tensor([0, 1, 0xFFFE, 0xFFFF]), torch.randint(0, 1 << 16, (12,))])
+    bits = (prefixes[:, None] | low_bits[None, :]).reshape(-1)
+    x = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    edges = torch.tensor(HIST_EDGES)
+    x = torch.cat([x, edges, torch.nextafter(edges, edges - 1), torch.nextafter(edges, edges + 1),
+                   torch.tensor([0.0, -0.0])])
+    x = x[torch.isfinite(x)]
+    assert torch.equal(M._bins(x), torch.bucketize(x, edges, right=True))
+
+
 def reference_row(x, udim):
     """Straightforward statistics of one output, for comparison with the batched path."""
     xf = x.detach().double().reshape(-1)
