@@ -72,6 +72,16 @@ class CallRecord(NamedTuple):
     numel: int
 
 
+class IndexTensors(NamedTuple):
+    """One of the index's lists of tensor ids, with what its sampled steps read of it every time: the tensors
+    (local values), their optimizer param groups, and the plan of their norms (probes.tensor_stats)."""
+
+    ids: list[int]                  # the index's own list: kept, so its id() (the cache key) stays its own
+    tensors: list[torch.Tensor]
+    opt_groups: list[int | None]
+    plan: tensor_stats.NormPlan
+
+
 class TensorSlot(NamedTuple):
     """Where one tensor's value is among the fetched vectors: vector ``slot``, element ``pos``."""
 
@@ -152,6 +162,7 @@ class StepCapture:
         self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
         self.updates = tensor_stats.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}
+        self._index_tensors: dict[int, IndexTensors] = {}   # id(list of the index) -> its tensors (this index)
         # small outputs are referenced, not copied, unless their module's output is changed in place
         # later in the step (learnt on the first sampled step, which copies all: probes.batch)
         self._learning = True
@@ -165,6 +176,7 @@ class StepCapture:
     def clear(self) -> None:
         """Drop cached views of the model's tensors (the index is being rebuilt or the watcher closes)."""
         self.updates.clear()
+        self._index_tensors.clear()
 
     def close(self) -> None:
         self.closed = True
@@ -172,6 +184,7 @@ class StepCapture:
         self.probe.gc.resume()
         self.updates.clear()
         self._unit_dims.clear()
+        self._index_tensors.clear()
         self.index = None
         self.compiled = CompiledModules()
 
@@ -191,6 +204,8 @@ class StepCapture:
         """Prepare a sampled step: only forward pre-hooks on the root and its children, which attach the
         real hooks at the first forward of the step. Between steps (and so around other models'
         forwards) no global hook exists."""
+        if index is not self.index:
+            self._index_tensors.clear()
         self.index = index
         rec = self.record = StepRecord()
         if self.compiled:
@@ -453,17 +468,34 @@ class StepCapture:
             rec.orphans_checked = True
             orphans = index.orphan_tensors()
             if orphans:
-                self.measure_grads(rec, orphans)
+                self.measure_grads(rec, orphans, self._tensors_of(index, orphans))
                 rec.orphan_baseline = UpdateBaseline(orphans, self.updates.take([index.tensor(t) for t in orphans]))
         tids = index.optimizer_tensors(opt_index)
         if not tids:
             return
-        groups = optimizer.param_groups
-        for tid in tids:
-            g = index.tensors[tid].opt_group
-            rec.lrs[tid] = _as_float(groups[g].get("lr")) if g is not None and g < len(groups) else None
-        self.measure_grads(rec, tids)
-        rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take([index.tensor(t) for t in tids]))
+        known = self._tensors_of(index, tids)
+        group_lrs = [_as_float(g.get("lr")) for g in optimizer.param_groups]
+        n_groups = len(group_lrs)
+        rec.lrs.update(zip(tids, [group_lrs[g] if g is not None and g < n_groups else None
+                                  for g in (known.opt_groups if known is not None
+                                            else [index.tensors[t].opt_group for t in tids])], strict=True))
+        self.measure_grads(rec, tids, known)
+        rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take(
+            known.tensors if known is not None else [index.tensor(t) for t in tids]))
+
+    def _tensors_of(self, index: ModelIndex, ids: list[int]) -> IndexTensors | None:
+        """The tensors of one of the index's own lists of ids (the same list object every step), read once
+        per index; None where some are DTensors (their local shards are read each time)."""
+        known = self._index_tensors.get(id(ids))
+        if known is not None and known.ids is ids:
+            return known
+        nodes = [index.tensors[t] for t in ids]
+        if any(n.tensor is None or type(n.tensor).__name__ == "DTensor" for n in nodes):
+            return None
+        tensors = [n.tensor for n in nodes]
+        known = self._index_tensors[id(ids)] = IndexTensors(ids, tensors, [n.opt_group for n in nodes],  # type: ignore[arg-type]
+                                                            tensor_stats.plan_norms(tensors))  # type: ignore[arg-type]
+        return known
 
     def after_optimizer_step(self, opt_index: int) -> None:
         rec = self.record
@@ -523,9 +555,22 @@ class StepCapture:
         if buffers:
             _add_per_tensor(rec, buffers, tensor_stats.norms([index.tensor(t) for t in buffers]), rec.data)
 
-    def measure_grads(self, rec: StepRecord, tensor_ids: list[int]) -> None:
+    def measure_grads(self, rec: StepRecord, tensor_ids: list[int], known: IndexTensors | None = None) -> None:
+        """Gradient and data norms of the tensors not measured yet this step; ``known``: the tensors of
+        ``tensor_ids`` when it is one of the index's own lists (:meth:`_tensors_of`)."""
         index = self.index
         assert index is not None
+        if known is not None and not any(t in rec.grads or t in rec.data for t in tensor_ids):
+            current = [p.grad for p in known.tensors]
+            if not any(g is None or g.is_sparse for g in current):       # all there: their parameters' plan
+                _add_per_tensor(rec, tensor_ids, tensor_stats.norms(current, known.plan), rec.grads)  # type: ignore[arg-type]
+            else:
+                with_grad = [t for t, g in zip(tensor_ids, current, strict=True) if g is not None and not g.is_sparse]
+                if with_grad:
+                    _add_per_tensor(rec, with_grad, tensor_stats.norms(
+                        [g for g in current if g is not None and not g.is_sparse]), rec.grads)
+            _add_per_tensor(rec, tensor_ids, tensor_stats.norms(known.tensors, known.plan), rec.data)
+            return
         have = [t for t in tensor_ids if t not in rec.grads]
         grads = {t: index.grad(t) for t in have}
         with_grad = [t for t in have if grads[t] is not None]
@@ -542,7 +587,8 @@ class StepCapture:
         index = self.index
         assert index is not None
         tids = baseline.tensor_ids
-        after = [index.tensor(t) for t in tids]
+        known = self._index_tensors.get(id(tids))
+        after = known.tensors if known is not None and known.ids is tids else [index.tensor(t) for t in tids]
         vec = self.updates.delta_norms(after, baseline.taken)
         if vec is None:
             return

@@ -5,6 +5,7 @@ until :func:`release_caches`."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +15,10 @@ UPDATE_SAMPLE = 4096          # values per tensor compared across optimizer.step
 def norm32(t: torch.Tensor) -> torch.Tensor:
     """L2 norm as a float32 scalar, accumulated in at least float32 (any float dtype)."""
     norm: torch.Tensor
-    if t.dtype == torch.float32:
+    if t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu":
+        flat = t.reshape(-1)
+        norm = torch.dot(flat, flat).sqrt()     # BLAS: about 1.7x faster than vector_norm on the CPU
+    elif t.dtype == torch.float32:
         norm = torch.linalg.vector_norm(t)
     elif t.dtype in (torch.float16, torch.bfloat16):
         norm = torch.linalg.vector_norm(t, dtype=torch.float32)
@@ -53,40 +57,64 @@ def _index(idx: list[int], device: torch.device) -> torch.Tensor:
 SMALL_NORM = 4096        # tensors of at most this many values are normed together (one reduction for all)
 
 
-def _group_norms(group: list[torch.Tensor]) -> torch.Tensor:
-    """Norms of tensors of one device and dtype, as float32 (accumulated in at least float32)."""
-    if len(group) > 8 and all(t.numel() <= SMALL_NORM for t in group):
-        # many small tensors: stacked by shape, one reduction per shape beats a kernel (or a foreach entry,
-        # or a flattening view) per tensor
-        by_shape: dict[torch.Size, list[int]] = {}
-        for i, t in enumerate(group):
-            by_shape.setdefault(t.shape, []).append(i)
-        out = torch.empty(len(group), dtype=torch.float32, device=group[0].device)
-        for shape, idx in by_shape.items():
-            stacked = torch.stack([group[i] for i in idx])
-            if stacked.dtype not in (torch.float32, torch.float64):
-                stacked = stacked.float()
-            dims = tuple(range(1, len(shape) + 1))
-            sq = stacked.square().sum(dim=dims) if dims else stacked.square()
-            out[_index(idx, out.device)] = sq.sqrt_().to(torch.float32)
-        return out
+class NormGroup(NamedTuple):
+    positions: list[int]         # in the tensor list
+    stacked: bool                # one shape of small tensors: stacked and reduced at once
+
+
+class NormPlan(NamedTuple):
+    """How the norms of a list of tensors are taken: groups by device, dtype and (small tensors) shape.
+    Making it reads every tensor's shape (a microsecond each), so a list that recurs step after step (the
+    parameters) keeps its plan; gradients have their parameters' shapes and share it."""
+
+    n: int
+    groups: list[NormGroup]
+
+
+def plan_norms(tensors: Sequence[torch.Tensor]) -> NormPlan:
+    groups: list[NormGroup] = []
+    for idx, group in _groups(tensors):
+        if len(group) > 8 and all(t.numel() <= SMALL_NORM for t in group):
+            # many small tensors: stacked by shape, one reduction per shape beats a kernel (or a foreach entry,
+            # or a flattening view) per tensor
+            by_shape: dict[torch.Size, list[int]] = {}
+            for i, t in zip(idx, group, strict=True):
+                by_shape.setdefault(t.shape, []).append(i)
+            groups.extend(NormGroup(positions, True) for positions in by_shape.values())
+        else:
+            groups.append(NormGroup(idx, False))
+    return NormPlan(len(tensors), groups)
+
+
+def _group_norms(group: list[torch.Tensor], stacked: bool) -> torch.Tensor:
+    """Norms of tensors of one device and dtype (``stacked``: and one small shape), as float32 (accumulated in
+    at least float32)."""
+    if stacked:
+        s = torch.stack(group)
+        if s.dtype not in (torch.float32, torch.float64):
+            s = s.float()
+        dims = tuple(range(1, s.dim()))
+        sq = s.square().sum(dim=dims) if dims else s.square()
+        return sq.sqrt_().to(torch.float32)
     if group[0].dtype == torch.float32 and hasattr(torch, "_foreach_norm"):
         return torch.stack(torch._foreach_norm(group))
     return torch.stack([norm32(t) for t in group])
 
 
-def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """L2 norms of many tensors as one float32 vector on the first tensor's device."""
+def norms(tensors: Sequence[torch.Tensor], plan: NormPlan | None = None) -> torch.Tensor | None:
+    """L2 norms of many tensors as one float32 vector on the first tensor's device. ``plan``: this list's
+    (:func:`plan_norms`), or that of a list of tensors of the very same devices, dtypes and shapes."""
     if not tensors:
         return None
+    if plan is None:
+        plan = plan_norms(tensors)
     device = tensors[0].device
-    groups = list(_groups(tensors))
     with torch.no_grad():
-        if len(groups) == 1:
-            return _group_norms(groups[0][1])
+        if len(plan.groups) == 1:
+            return _group_norms(list(tensors), plan.groups[0].stacked).to(device)
         out = torch.empty(len(tensors), dtype=torch.float32, device=device)
-        for idx, group in groups:
-            out[_index(idx, device)] = _group_norms(group).to(device)
+        for positions, stacked in plan.groups:
+            out[_index(positions, device)] = _group_norms([tensors[i] for i in positions], stacked).to(device)
     return out
 
 
@@ -147,19 +175,21 @@ class UpdateSampler:
     every structure rebuild, so no view outlives the model's own tensors)."""
 
     def __init__(self) -> None:
-        self._views: dict[int, tuple[int, torch.Size, torch.Tensor]] = {}
+        self._views: dict[int, tuple[int, int, torch.Tensor]] = {}
 
     def clear(self) -> None:
         self._views.clear()
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
+        # the flat view depends only on the storage, the number of values and contiguity (t.shape would
+        # cost a microsecond a tensor: a torch.Size is made at each read)
         ptr = t.data_ptr()
         entry = self._views.get(id(t))
-        if entry is not None and entry[0] == ptr and entry[1] == t.shape:
+        if entry is not None and entry[0] == ptr and entry[1] == t.numel():
             return entry[2]
         view = _update_view(t)
         if t.is_contiguous():
-            self._views[id(t)] = (ptr, t.shape, view)
+            self._views[id(t)] = (ptr, t.numel(), view)
         return view
 
     def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]
