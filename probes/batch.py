@@ -37,6 +37,7 @@ class SmallCall(NamedTuple):
     copy belongs to unit (i // inner) % units, so the histogram samples the very values call_chunk would."""
 
     values: torch.Tensor      # the output, or a copy of it (any float dtype, its own shape)
+    shape: tuple[int, ...]
     units: int
     inner: int                # the stride of the unit dimension
     track: bool               # per-unit activity is tracked (dead units)
@@ -53,11 +54,14 @@ class SmallCall(NamedTuple):
         return self.source is not None and self.values is self.source and self.source._version != self.version
 
 
-def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch: bool) -> SmallCall:
+def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch: bool,
+         shape: tuple[int, ...] | None = None) -> SmallCall:
     """What a hook keeps: the output itself, or a copy (``copy``) where an in-place operation later in
     the step would change it; with ``watch`` its version is checked at the end of the step. Only the copy
-    is made here (one op); flattening and the float32 conversion happen in the batch."""
-    shape = x.shape
+    is made here (one op); flattening and the float32 conversion happen in the batch. ``shape``: x.shape,
+    where the caller has it (reading it makes a torch.Size, about a microsecond)."""
+    if shape is None:
+        shape = x.shape
     ndim = len(shape)
     if ndim == 0:
         units, inner, track = 1, 1, False
@@ -67,7 +71,7 @@ def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch:
         d = udim % ndim
         units, inner, track = shape[d], math.prod(shape[d + 1:]), True
     values = x.detach().clone(memory_format=torch.contiguous_format) if copy else x
-    return SmallCall(values, units, inner, track, sat_kind if sat_kind in ("tanh", "sigmoid") else None,
+    return SmallCall(values, shape, units, inner, track, sat_kind if sat_kind in ("tanh", "sigmoid") else None,
                      x if watch else None, x._version)
 
 
@@ -82,14 +86,21 @@ class ChunkLayoutSpec:
     sat: bool
 
 
+class ReducedGroup(NamedTuple):
+    """Calls of one shape and layout: call ``calls[j]`` (its position in the batch) starts at
+    ``start + j * width`` of the batch's chunk."""
+
+    calls: list[int]
+    start: int
+    width: int
+    spec: ChunkLayoutSpec
+
+
 class ReducedCalls(NamedTuple):
-    """The raw chunks of a batch of small calls, back to back in ``chunk``: call ``order[j]`` (its position
-    in the batch) starts at ``starts[j]`` and has layout ``specs[j]``."""
+    """The raw chunks of a batch of small calls, back to back in ``chunk``, group by group."""
 
     chunk: torch.Tensor
-    order: list[int]
-    starts: list[int]
-    specs: list[ChunkLayoutSpec]
+    groups: list[ReducedGroup]
     known_nonfinite: int | None       # 0 for all calls when known on the host, else counted into each chunk
 
 
@@ -101,11 +112,11 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
     """Every call's raw chunk, as :func:`probes.measure.call_chunk` makes it for one output. Calls of one shape,
     dtype and layout are stacked and reduced together with dense reductions (per-unit extremes over the
     non-unit dimensions, like call_chunk): a handful of kernels per shape whatever the number of calls.
-    Chunks come out group by group, not in the step's order (``order`` and ``starts`` say where each is).
+    Chunks come out group by group, not in the step's order (the groups say where each is).
     The NaN/Inf count is known on the host (0) where reading a scalar is free and the squares are finite."""
-    groups: dict[tuple[torch.Size, torch.dtype, int, int, str | None, bool], list[int]] = {}
+    groups: dict[tuple[tuple[int, ...], torch.dtype, int, int, str | None, bool], list[int]] = {}
     for i, c in enumerate(calls):
-        groups.setdefault((c.values.shape, c.values.dtype, c.units, c.inner, c.sat, c.track), []).append(i)
+        groups.setdefault((c.shape, c.values.dtype, c.units, c.inner, c.sat, c.track), []).append(i)
     stacked: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     squares: list[torch.Tensor] = []
@@ -119,9 +130,7 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
     if scalar_reads_free and math.isfinite(float(sum(float(q.sum()) for q in squares))):
         known = 0
     mats: list[torch.Tensor] = []
-    order: list[int] = []
-    starts: list[int] = []
-    specs: list[ChunkLayoutSpec] = []
+    reduced: list[ReducedGroup] = []
     pos = 0
     for (_, _, units, inner, sat, track), idx, v, total, sq in zip(groups, groups.values(), stacked, sums,
                                                                    squares, strict=True):
@@ -139,9 +148,6 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
         mat = torch.cat([torch.stack(head, 1), by_unit.amax(dim=(1, 3)), by_unit.amin(dim=(1, 3)), sample], 1)
         mats.append(mat.reshape(-1))
         spec = ChunkLayoutSpec(n, units, track and units <= MAX_UNITS, sample.shape[1], sat is not None)
-        width = mat.shape[1]
-        order.extend(idx)
-        starts.extend(range(pos, pos + g * width, width))
-        specs.extend([spec] * g)
-        pos += g * width
-    return ReducedCalls(torch.cat(mats) if len(mats) > 1 else mats[0], order, starts, specs, known)
+        reduced.append(ReducedGroup(idx, pos, mat.shape[1], spec))
+        pos += mat.numel()
+    return ReducedCalls(torch.cat(mats) if len(mats) > 1 else mats[0], reduced, known)

@@ -106,7 +106,8 @@ class StepRecord:
     rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
     out_grads: dict[int, list[TensorSlot]] = dataclasses.field(default_factory=dict)  # module id -> grad norms
     small_grads: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # (copy, modules)
-    retained: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # small outputs
+    # small outputs whose gradient autograd keeps: (output, the modules sharing it, its shape)
+    retained: list[tuple[torch.Tensor, list[int], tuple[int, ...]]] = dataclasses.field(default_factory=list)
     order: int = 0
     stack: list[int] = dataclasses.field(default_factory=list)                  # modules in a call now
     root_training: bool | None = None
@@ -400,14 +401,16 @@ class StepCapture:
             udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
         if numel <= batch.SMALL_OUTPUT and not others:
             # a copy now, reduced with the step's other small outputs at its end (one batch of kernels)
+            shape = key[3]
             if self._learning:
                 slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
-                                                       copy=True, watch=True)
+                                                       copy=True, watch=True, shape=shape)
             elif mid in self._copy_outputs:
-                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid, copy=True)
+                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid, copy=True,
+                                                       shape=shape)
             else:
                 slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
-                                                       copy=False, watch=True)
+                                                       copy=False, watch=True, shape=shape)
         else:
             chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
             slot = rec.measurements.add_call(chunk, layout, mid)
@@ -421,7 +424,7 @@ class StepCapture:
                 # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
                 # one); read, normed with the others and dropped at the end of the step
                 x.retain_grad()
-                rec.retained.append((x, targets))
+                rec.retained.append((x, targets, key[3]))
             else:
                 x.register_hook(self._output_grad_hook(rec, targets))
 
@@ -513,15 +516,18 @@ class StepCapture:
         small = rec.small_grads               # copies made by gradient hooks during backward (slot -1)
         hooked = len(small)
         kept: list[list[int]] = []
-        for x, sharing in rec.retained:
+        shapes: list[tuple[int, ...]] = [g.shape for g, _ in small]
+        for x, sharing, shape in rec.retained:
             grad = x.grad
             if grad is not None:
                 x.grad = None                   # what the user holds is left as it was
                 small.append((grad, sharing))
                 kept.append(sharing)
+                shapes.append(shape)            # the output's, read by the hook (a torch.Size costs ~1 us)
         rec.retained.clear()
         if small:
-            norms = tensor_stats.norms([g for g, _ in small])
+            grads = [g for g, _ in small]
+            norms = tensor_stats.norms(grads, tensor_stats.plan_norms(grads, shapes))
             assert norms is not None
             slot = rec.measurements.add(norms)
             out_grads = rec.out_grads

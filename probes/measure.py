@@ -157,13 +157,14 @@ class StepMeasurements:
         return slot
 
     def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None, *,
-                       copy: bool = True, watch: bool = False) -> int:
+                       copy: bool = True, watch: bool = False, shape: tuple[int, ...] | None = None) -> int:
         """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.batch.keep`),
         reduced with the others at the end of the step; its fetched value is a CALL_WIDTH row like
-        :meth:`add_call`'s, or none when it was changed in place without a copy (:meth:`Fetched.has`)."""
+        :meth:`add_call`'s, or none when it was changed in place without a copy (:meth:`Fetched.has`).
+        ``shape``: x.shape, where the caller has it."""
         self._chunks.append(None)
         slot = len(self._chunks) - 1
-        self._small.append((slot, batch.keep(x, udim, sat_kind, copy=copy, watch=watch), key))
+        self._small.append((slot, batch.keep(x, udim, sat_kind, copy=copy, watch=watch, shape=shape), key))
         return slot
 
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
@@ -210,14 +211,13 @@ class StepMeasurements:
                 with torch.no_grad():        # kept outputs may require grad: the batch records no graph
                     reduced = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
                 parts.append(reduced.chunk)
-                layouts: dict[batch.ChunkLayoutSpec, CallLayout] = {}     # one per group of calls
-                for j, start, spec in zip(reduced.order, reduced.starts, reduced.specs, strict=True):
-                    group_layout = layouts.get(spec)
-                    if group_layout is None:
-                        group_layout = layouts[spec] = CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
-                                                            reduced.known_nonfinite, spec.sat)
-                    slot, _, key = items[j]
-                    call_slots.append((slot, pos + start, group_layout, key))
+                for group in reduced.groups:
+                    spec = group.spec
+                    layout = CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
+                                        reduced.known_nonfinite, spec.sat)
+                    start, width = pos + group.start, group.width
+                    call_slots.extend([(items[j][0], start + k * width, layout, items[j][2])
+                                       for k, j in enumerate(group.calls)])
                 pos += reduced.chunk.numel()
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
             dev = torch.cat(parts)

@@ -71,15 +71,20 @@ class NormPlan(NamedTuple):
     groups: list[NormGroup]
 
 
-def plan_norms(tensors: Sequence[torch.Tensor]) -> NormPlan:
+def plan_norms(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None = None) -> NormPlan:
+    """``shapes``: the tensors' shapes, where the caller has them already."""
     groups: list[NormGroup] = []
     for idx, group in _groups(tensors):
         if len(group) > 8 and all(t.numel() <= SMALL_NORM for t in group):
             # many small tensors: stacked by shape, one reduction per shape beats a kernel (or a foreach entry,
             # or a flattening view) per tensor
-            by_shape: dict[torch.Size, list[int]] = {}
-            for i, t in zip(idx, group, strict=True):
-                by_shape.setdefault(t.shape, []).append(i)
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            if shapes is None:
+                for i, t in zip(idx, group, strict=True):
+                    by_shape.setdefault(t.shape, []).append(i)
+            else:
+                for i in idx:
+                    by_shape.setdefault(shapes[i], []).append(i)
             groups.extend(NormGroup(positions, True) for positions in by_shape.values())
         else:
             groups.append(NormGroup(idx, False))
