@@ -93,7 +93,7 @@ def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
     watched = make(blocks)
     w = probes.watch(watched[0], watched[1], run_dir=workdir / f"every1-{blocks}", every=1)
     calls = module_calls(bare[0], bare[2])
-    for _ in range(3):                               # warm both
+    for _ in range(8):     # warm both: with 3, the first model of a run measured 1.3-1.5x slow (allocator, caches)
         one_step(*bare)
         one_step(*watched, w=w)
     t_bare, t_watched = [], []
@@ -103,7 +103,7 @@ def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
     w._writer.flush()
     import sqlite3
     con = sqlite3.connect(w.store_path)
-    probe = [r[0] for r in con.execute("SELECT probe_ms FROM steps WHERE step >= 3 AND probe_ms IS NOT NULL")]
+    probe = [r[0] for r in con.execute("SELECT probe_ms FROM steps WHERE step >= 8 AND probe_ms IS NOT NULL")]
     con.close()
     w.close()
     extra = statistics.median(t_watched) - statistics.median(t_bare)
