@@ -568,15 +568,23 @@ class StepCapture:
         assert index is not None
         if known is not None and not any(t in rec.grads or t in rec.data for t in tensor_ids):
             current = [p.grad for p in known.tensors]
-            if not any(g is None or g.is_sparse for g in current):       # all there: their parameters' plan
-                _add_per_tensor(rec, tensor_ids, tensor_stats.norms(current, known.plan), rec.grads)  # type: ignore[arg-type]
+            complete = not any(g is None or g.is_sparse for g in current)     # all there: their parameters' plan
+            try:
+                grad_norms = tensor_stats.norms(current, known.plan) if complete else None  # type: ignore[arg-type]
+                data_norms = tensor_stats.norms(known.tensors, known.plan)
+            except RuntimeError:       # a shape changed in place (p.data = a tensor of another shape): plan again
+                self._index_tensors.pop(id(tensor_ids), None)
             else:
-                with_grad = [t for t, g in zip(tensor_ids, current, strict=True) if g is not None and not g.is_sparse]
-                if with_grad:
-                    _add_per_tensor(rec, with_grad, tensor_stats.norms(
-                        [g for g in current if g is not None and not g.is_sparse]), rec.grads)
-            _add_per_tensor(rec, tensor_ids, tensor_stats.norms(known.tensors, known.plan), rec.data)
-            return
+                if complete:
+                    _add_per_tensor(rec, tensor_ids, grad_norms, rec.grads)
+                else:
+                    with_grad = [t for t, g in zip(tensor_ids, current, strict=True)
+                                 if g is not None and not g.is_sparse]
+                    if with_grad:
+                        _add_per_tensor(rec, with_grad, tensor_stats.norms(
+                            [g for g in current if g is not None and not g.is_sparse]), rec.grads)
+                _add_per_tensor(rec, tensor_ids, data_norms, rec.data)
+                return
         have = [t for t in tensor_ids if t not in rec.grads]
         grads = {t: index.grad(t) for t in have}
         with_grad = [t for t in have if grads[t] is not None]

@@ -493,3 +493,35 @@ def test_outputs_changed_in_place_later_are_measured_as_returned_or_not_at_all(r
         for step in expected_steps:
             assert rows[step] == pytest.approx(outs[step].mean().item(), rel=1e-5, abs=1e-7), (name, step)
         assert all(o.min() < 0 for o in outs)        # as returned: not yet rectified
+
+
+def test_a_parameter_given_data_of_another_shape_keeps_being_measured(run_dir):
+    """The optimizer step's norms reuse a plan of the parameters' shapes, made once per model index; assigning
+    ``p.data`` a tensor of another shape keeps the parameter (the index is not rebuilt), so the plan must be
+    made again rather than stack mismatched shapes and lose the statistics of every later step."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))    # enough small tensors to stack
+            self.scale = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x * self.scale[:16]
+
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = lambda: (torch.randn(8, 16), torch.randint(0, 16, (8,)))
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 2, batch)
+        model.scale.data = torch.ones(32)
+        train(model, opt, w, 2, batch)
+        assert not w.probe_errors
+    con = sqlite3.connect(w.store_path)
+    norms = dict(con.execute("SELECT s.step, s.data_norm FROM param_stats s JOIN params p USING(rank, param_id) "
+                             "WHERE p.path = 'scale' ORDER BY s.step"))
+    con.close()
+    assert set(norms) == {0, 1, 2, 3}
+    assert norms[3] == pytest.approx(model.scale.detach().norm().item(), rel=1e-4)
