@@ -14,8 +14,8 @@ outputs change after their hook; those are copied from then on, the others only 
 found changed without a copy (the model took another path) is not measured that step, and its module
 is copied from then on: a statistic is missing, never wrong.
 
-The index tensors of a batch depend only on the step's arrangement of calls (their sizes and unit
-counts), which a model repeats from sampled step to sampled step: they are built once and reused.
+Calls of one shape and layout (most of a model of many small modules) are stacked and reduced with dense
+reductions, a handful of kernels per shape whatever the number of calls; no index plan is needed.
 """
 
 from __future__ import annotations
@@ -102,10 +102,6 @@ class ReducedCalls(NamedTuple):
     chunk: torch.Tensor
     groups: list[ReducedGroup]
     known_nonfinite: int | None       # 0 for all calls when known on the host, else counted into each chunk
-
-
-def release_caches() -> None:
-    """Nothing is cached across steps any more (kept for probes.measure.release_caches)."""
 
 
 def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> ReducedCalls:

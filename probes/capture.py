@@ -495,9 +495,9 @@ class StepCapture:
         nodes = [index.tensors[t] for t in ids]
         if any(n.tensor is None or type(n.tensor).__name__ == "DTensor" for n in nodes):
             return None
-        tensors = [n.tensor for n in nodes]
-        known = self._index_tensors[id(ids)] = IndexTensors(ids, tensors, [n.opt_group for n in nodes],  # type: ignore[arg-type]
-                                                            tensor_stats.plan_norms(tensors))  # type: ignore[arg-type]
+        tensors = [n.tensor for n in nodes if n.tensor is not None]
+        known = self._index_tensors[id(ids)] = IndexTensors(ids, tensors, [n.opt_group for n in nodes],
+                                                            tensor_stats.plan_norms(tensors))
         return known
 
     def after_optimizer_step(self, opt_index: int) -> None:

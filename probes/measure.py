@@ -565,6 +565,5 @@ def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: i
 def release_caches() -> None:
     """Drop the index tensors cached across steps (a closing watcher calls it: a long notebook session
     watching many models must not keep them, some of which live on an accelerator)."""
-    batch.release_caches()
     tensor_stats.release_caches()
     _PLANS.clear()
