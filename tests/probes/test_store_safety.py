@@ -233,3 +233,31 @@ def test_a_version_1_store_written_again_gets_the_version_2_columns(tmp_path, mo
     assert rows(store, "PRAGMA user_version") == [(2,)]
     assert rows(store, "SELECT COUNT(*) FROM findings WHERE cause_code='unregistered-module'")[0][0] > 0
     assert rows(store, "SELECT write_errors FROM ranks") == [(0,)]
+
+
+# ---------------------------------------------------------------------------------------- many rows
+def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_path):
+    """The writer inserts large ops several rows per statement (fewer GIL hand-overs with the training
+    thread); what it stores equals a statement per row: every row, the last duplicate of a key winning,
+    the rows left over after the last full statement, NULLs and BLOBs, and other statements untouched."""
+    from probes import records
+    from probes.store import ROWS_PER_STATEMENT, StoreWriter
+
+    n = 3 * ROWS_PER_STATEMENT + 5
+    rows = [(0, m, 7, 1, 128, 0.1 * m, None, 0.3, 0.0, None, -1.0, 0, 0.01, 1, 0, bytes([m % 256]) * 50)
+            for m in range(n)]
+    rows[40] = (0, 3, 7, 2, 64, 9.5, 1.0, 0.3, 0.0, None, -1.0, 0, None, 0, 1, None)     # key of row 3 again
+    sql = records.module_stats_op([])[0]
+    writer = StoreWriter(tmp_path / "store.sqlite")
+    writer.submit([records.module_stats_op(rows)])
+    writer.flush()
+    writer.close()
+    reference = sqlite3.connect(":memory:")
+    from probes.schema import DDL
+    reference.executescript(DDL)
+    for row in rows:
+        reference.execute(sql, row)
+    query = "SELECT * FROM module_stats ORDER BY rank, module_id, step"
+    written = sqlite3.connect(tmp_path / "store.sqlite").execute(query).fetchall()
+    assert written == reference.execute(query).fetchall()
+    assert len(written) == n - 1 and written[3][5] == 9.5
