@@ -7,8 +7,9 @@ the start of a run under the default budget.
 Each block is a residual Linear(16, 16) + ReLU (3 modules: 5,000 blocks are 15,001 modules). Prints, side
 by side in one run:
 - per-call host time of a sampled step: (median sampled-step time - median bare-step time) / module calls
-  (every=1 against bare, interleaved; each timed watched step follows another, whose store writes overlap it as
-  in a real run, and each bare step starts with the writer idle), modscope's own accounting (probe_ms / calls),
+  (every=1 against bare, interleaved; each bare step starts with the store's writer idle, and so does the watched
+  step after it, whose writes then overlap the next watched step as in a run: both are printed), modscope's own
+  accounting (probe_ms / calls),
   and the CPU time of the store's writer thread (on another core, in parallel with training);
 - the start of a run: total time of the first N steps with the default budget against bare (fresh
   models and watchers, same seed), and the first step at which each expected finding appeared.
@@ -98,14 +99,14 @@ def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
     for _ in range(8):     # warm both: with 3, the first model of a run measured 1.3-1.5x slow (allocator, caches)
         one_step(*bare)
         one_step(*watched, w=w)
-    t_bare, t_watched, writer_cpu = [], [], []
+    t_bare, t_alone, t_watched, writer_cpu = [], [], [], []
     for _ in range(rounds):
         # the store's writer thread writes a sample while training goes on: its work must weigh on the next
         # watched step, as in a real run, not on a bare one. So: the writer idle, a bare step; a watched step
-        # (not timed), whose writes overlap the timed watched step after it
+        # (the writer still idle: the probe's own cost), whose writes overlap the watched step after it
         w._writer.flush()
         t_bare.append(one_step(*bare))
-        one_step(*watched, w=w)
+        t_alone.append(one_step(*watched, w=w))
         cpu0, main0 = time.process_time(), time.thread_time()
         t_watched.append(one_step(*watched, w=w))
         w._writer.flush()
@@ -117,9 +118,11 @@ def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
     con.close()
     w.close()
     extra = statistics.median(t_watched) - statistics.median(t_bare)
+    alone = statistics.median(t_alone) - statistics.median(t_bare)
     return {"blocks": blocks, "modules": sum(1 for _ in bare[0].modules()) + 3, "calls": calls,
             "bare_ms": statistics.median(t_bare), "sampled_ms": statistics.median(t_watched),
-            "per_call_us": extra / calls * 1e3, "self_per_call_us": statistics.median(probe) / calls * 1e3,
+            "per_call_us": extra / calls * 1e3, "writer_idle_per_call_us": alone / calls * 1e3,
+            "self_per_call_us": statistics.median(probe) / calls * 1e3,
             "writer_cpu_per_call_us": statistics.median(writer_cpu) / calls * 1e3}
 
 
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
             out["per_call"].append(r)
             print(f"{r['blocks']:>5} blocks ({r['modules']:,} modules, {r['calls']:,} calls/forward): bare "
                   f"{r['bare_ms']:.1f} ms, sampled {r['sampled_ms']:.1f} ms -> {r['per_call_us']:.1f} us per call "
+                  f"while the previous sample is written, {r['writer_idle_per_call_us']:.1f} us with the writer idle "
                   f"(self-reported {r['self_per_call_us']:.1f} us; the store's writer thread, on another core, "
                   f"{r['writer_cpu_per_call_us']:.1f} us CPU)", flush=True)
         checkpoints = [int(s) for s in args.start.split(",") if s]
