@@ -45,14 +45,6 @@ class SmallCall(NamedTuple):
     source: torch.Tensor | None   # the output itself while its version is watched, else None
     version: int              # the output's version counter at the hook
 
-    def changed(self) -> bool:
-        """The output was changed in place after its hook."""
-        return self.source is not None and self.source._version != self.version
-
-    def lost(self) -> bool:
-        """Changed in place and not copied: what is kept is no longer what the module returned."""
-        return self.source is not None and self.values is self.source and self.source._version != self.version
-
 
 def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch: bool,
          shape: tuple[int, ...] | None = None) -> SmallCall:

@@ -160,7 +160,7 @@ class StepMeasurements:
                        copy: bool = True, watch: bool = False, shape: tuple[int, ...] | None = None) -> int:
         """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.batch.keep`),
         reduced with the others at the end of the step; its fetched value is a CALL_WIDTH row like
-        :meth:`add_call`'s, or none when it was changed in place without a copy (:meth:`Fetched.has`).
+        :meth:`add_call`'s, or none when it was changed in place without a copy (not in :attr:`Fetched.where`).
         ``shape``: x.shape, where the caller has it."""
         self._chunks.append(None)
         slot = len(self._chunks) - 1
@@ -186,7 +186,7 @@ class StepMeasurements:
         for item in self._small:
             call = item[1]
             source = call.source
-            if source is not None and source._version != call.version:      # call.changed(), inline
+            if source is not None and source._version != call.version:      # changed in place after its hook
                 self.changed_keys.add(item[2])
                 if call.values is source:
                     continue                 # lost: not what the module returned, no row this step
@@ -316,10 +316,6 @@ class Fetched:
     def call(self, slot: int) -> tuple[CallColumns, int]:
         c, i = self.where[slot]
         return self.columns[c], i
-
-    def has(self, slot: int) -> bool:
-        """The call in ``slot`` was measured (an output changed in place after its hook was not)."""
-        return slot in self.where
 
     def rows(self) -> list[list[float]]:
         out = list(self.plain)
