@@ -13,12 +13,21 @@ by side in one run:
   and the CPU time of the store's writer thread (on another core, in parallel with training);
 - the start of a run: total time of the first N steps with the default budget against bare (fresh
   models and watchers, same seed), and the first step at which each expected finding appeared.
+
+``--against REV`` measures the per-call cost of this tree and of the ``probes`` of a git revision side by side:
+two worker processes, one per version, take turns round by round, so that the machine's drift weighs on both
+alike and the ratio between them holds on a machine faster or slower than the one a target was set on.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import sqlite3
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import probes
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Residual(nn.Module):
@@ -91,39 +100,137 @@ def module_calls(model: nn.Module, x: torch.Tensor) -> int:
     return calls
 
 
-def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
-    bare = make(blocks)
-    watched = make(blocks)
-    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"every1-{blocks}", every=1)
-    calls = module_calls(bare[0], bare[2])
-    for _ in range(8):     # warm both: with 3, the first model of a run measured 1.3-1.5x slow (allocator, caches)
-        one_step(*bare)
-        one_step(*watched, w=w)
-    t_bare, t_alone, t_watched, writer_cpu = [], [], [], []
-    for _ in range(rounds):
+class PerCallRun:
+    """A bare model and a watched copy (every=1), warmed; :meth:`round` times one round of the per-call
+    measurement, :meth:`result` sums them up. ``probes``: the package measured (this tree's or a revision's)."""
+
+    def __init__(self, probes, blocks: int, workdir: Path) -> None:
+        self.blocks = blocks
+        self.bare = make(blocks)
+        self.watched = make(blocks)
+        self.w = probes.watch(self.watched[0], self.watched[1], run_dir=workdir / f"every1-{blocks}", every=1)
+        self.calls = module_calls(self.bare[0], self.bare[2])
+        self.t_bare: list[float] = []
+        self.t_alone: list[float] = []
+        self.t_watched: list[float] = []
+        self.writer_cpu: list[float] = []
+        for _ in range(8):  # warm both: with 3, the first model of a run measured 1.3-1.5x slow (allocator, caches)
+            one_step(*self.bare)
+            one_step(*self.watched, w=self.w)
+
+    def round(self) -> None:
         # the store's writer thread writes a sample while training goes on: its work must weigh on the next
         # watched step, as in a real run, not on a bare one. So: the writer idle, a bare step; a watched step
         # (the writer still idle: the probe's own cost), whose writes overlap the watched step after it
+        w = self.w
         w._writer.flush()
-        t_bare.append(one_step(*bare))
-        t_alone.append(one_step(*watched, w=w))
+        self.t_bare.append(one_step(*self.bare))
+        self.t_alone.append(one_step(*self.watched, w=w))
         cpu0, main0 = time.process_time(), time.thread_time()
-        t_watched.append(one_step(*watched, w=w))
+        self.t_watched.append(one_step(*self.watched, w=w))
         w._writer.flush()
-        writer_cpu.append(((time.process_time() - cpu0) - (time.thread_time() - main0)) * 1e3)
-    w._writer.flush()
-    import sqlite3
-    con = sqlite3.connect(w.store_path)
-    probe = [r[0] for r in con.execute("SELECT probe_ms FROM steps WHERE step >= 8 AND probe_ms IS NOT NULL")]
-    con.close()
-    w.close()
-    extra = statistics.median(t_watched) - statistics.median(t_bare)
-    alone = statistics.median(t_alone) - statistics.median(t_bare)
-    return {"blocks": blocks, "modules": sum(1 for _ in bare[0].modules()) + 3, "calls": calls,
-            "bare_ms": statistics.median(t_bare), "sampled_ms": statistics.median(t_watched),
-            "per_call_us": extra / calls * 1e3, "writer_idle_per_call_us": alone / calls * 1e3,
-            "self_per_call_us": statistics.median(probe) / calls * 1e3,
-            "writer_cpu_per_call_us": statistics.median(writer_cpu) / calls * 1e3}
+        self.writer_cpu.append(((time.process_time() - cpu0) - (time.thread_time() - main0)) * 1e3)
+
+    def result(self) -> dict:
+        w = self.w
+        w._writer.flush()
+        con = sqlite3.connect(w.store_path)
+        probe = [r[0] for r in con.execute("SELECT probe_ms FROM steps WHERE step >= 8 AND probe_ms IS NOT NULL")]
+        con.close()
+        w.close()
+        calls = self.calls
+        extra = statistics.median(self.t_watched) - statistics.median(self.t_bare)
+        alone = statistics.median(self.t_alone) - statistics.median(self.t_bare)
+        return {"blocks": self.blocks, "modules": sum(1 for _ in self.bare[0].modules()) + 3, "calls": calls,
+                "bare_ms": statistics.median(self.t_bare), "sampled_ms": statistics.median(self.t_watched),
+                "per_call_us": extra / calls * 1e3, "writer_idle_per_call_us": alone / calls * 1e3,
+                "self_per_call_us": statistics.median(probe) / calls * 1e3 if probe else None,
+                "writer_cpu_per_call_us": statistics.median(self.writer_cpu) / calls * 1e3}
+
+
+def per_call(blocks: int, rounds: int, workdir: Path) -> dict:
+    run = PerCallRun(importlib.import_module("probes"), blocks, workdir)
+    for _ in range(rounds):
+        run.round()
+    return run.result()
+
+
+def revision_probes(rev: str, into: Path) -> Path:
+    """The ``probes`` package of git revision ``rev``, unpacked under ``into``; returns the folder to put
+    first on sys.path. A clear error when ``rev`` is not a revision of this repository."""
+    proc = subprocess.run(["git", "archive", "--format=tar", rev, "probes"], check=False, cwd=ROOT,
+                          capture_output=True)
+    if proc.returncode != 0:
+        reason = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise SystemExit(f"--against {rev!r}: not a git revision with a probes/ folder in {ROOT} "
+                         f"({reason[-1] if reason else 'git archive failed'})")
+    target = into / "against"
+    target.mkdir(parents=True)
+    tar = into / "probes.tar"
+    tar.write_bytes(proc.stdout)
+    with tarfile.open(tar) as archive:
+        if hasattr(tarfile, "data_filter"):     # Python >= 3.11.4: no links or paths out of the folder
+            archive.extractall(target, filter="data")
+        else:
+            archive.extractall(target)
+    return target
+
+
+def side_by_side(rev: str, blocks: int, rounds: int, threads: int, workdir: Path) -> dict:
+    """Per-call cost of this tree and of revision ``rev``, measured by two worker processes that take turns,
+    round by round (only one of them runs at a time)."""
+    against = revision_probes(rev, workdir)
+    workers = {}
+    try:
+        for name, path in (("this tree", ""), (rev, str(against))):
+            workers[name] = subprocess.Popen(
+                [sys.executable, "-m", "bench.many_modules", "--worker", path, "--blocks", str(blocks),
+                 "--threads", str(threads)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            _ask(workers[name], "ready")             # built and warmed one after the other, not at once
+        for _ in range(rounds):
+            for proc in workers.values():
+                _ask(proc, "round")
+        results = {name: json.loads(_ask(proc, "result")) for name, proc in workers.items()}
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return {"blocks": blocks, "against": rev, "this_tree": results["this tree"], "revision": results[rev]}
+
+
+def _ask(proc: subprocess.Popen, command: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"the benchmark worker exited with code {proc.wait()} (its error is above)")
+    return line.strip()
+
+
+def worker(probes_path: str, blocks: int) -> int:
+    """One side of :func:`side_by_side`: answers 'ready', 'round' and 'result' on stdin, one line each."""
+    if probes_path:
+        sys.path.insert(0, probes_path)      # before the first import of probes: the revision's package
+    probes = importlib.import_module("probes")
+    with tempfile.TemporaryDirectory(prefix="modscope-bench-") as d:
+        run = None
+        for command in sys.stdin:
+            command = command.strip()
+            if command == "ready":
+                run = PerCallRun(probes, blocks, Path(d))
+                print("ready", flush=True)
+            elif command == "round" and run is not None:
+                run.round()
+                print("done", flush=True)
+            elif command == "result" and run is not None:
+                print(json.dumps(run.result()), flush=True)
+                return 0
+            else:
+                print(f"unexpected command {command!r}: expected ready, round or result", file=sys.stderr)
+                return 2
+    return 0
 
 
 def start_of_run(blocks: int, checkpoints: list[int], workdir: Path) -> list[dict]:
@@ -134,7 +241,7 @@ def start_of_run(blocks: int, checkpoints: list[int], workdir: Path) -> list[dic
     watched = make(blocks)
     for _ in range(2):                               # warm the allocator and the kernels of both copies
         one_step(*bare)
-    w = probes.watch(watched[0], watched[1], run_dir=workdir / f"default-{blocks}")
+    w = importlib.import_module("probes").watch(watched[0], watched[1], run_dir=workdir / f"default-{blocks}")
     first_seen: dict[str, int] = {}
     t_bare = t_watched = 0.0
     at: dict[int, tuple[float, float]] = {}
@@ -146,7 +253,6 @@ def start_of_run(blocks: int, checkpoints: list[int], workdir: Path) -> list[dic
                 first_seen.setdefault(f.code, step)
         if step + 1 in checkpoints:
             at[step + 1] = (t_bare, t_watched)
-    import sqlite3
     w._writer.flush()
     con = sqlite3.connect(w.store_path)
     sampled = [r[0] for r in con.execute("SELECT step FROM steps WHERE sampled = 1 ORDER BY step")]
@@ -164,12 +270,28 @@ def main(argv=None) -> int:
     ap.add_argument("--start", default="200,2000", help="comma list of run lengths for the start-of-run cost")
     ap.add_argument("--start-blocks", type=int, default=5000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--against", metavar="REV",
+                    help="also measure the per-call cost of the probes of git revision REV, side by side")
     ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)    # one side of --against (a path, or '' for this tree)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.worker is not None:
+        return worker(args.worker, int(args.blocks))
     out: dict = {"torch": torch.__version__, "threads": args.threads, "per_call": [], "start": []}
     with tempfile.TemporaryDirectory(prefix="modscope-bench-") as d:
         for blocks in (int(b) for b in args.blocks.split(",") if b):
+            if args.against:
+                pair = side_by_side(args.against, blocks, args.rounds, args.threads, Path(d) / str(blocks))
+                out.setdefault("against", []).append(pair)
+                mine, theirs = pair["this_tree"], pair["revision"]
+                print(f"{blocks:>5} blocks, side by side: per call while the previous sample is written, this tree "
+                      f"{mine['per_call_us']:.1f} us, {args.against} {theirs['per_call_us']:.1f} us "
+                      f"({theirs['per_call_us'] / mine['per_call_us']:.1f}x less); with the writer idle "
+                      f"{mine['writer_idle_per_call_us']:.1f} us against {theirs['writer_idle_per_call_us']:.1f} us "
+                      f"({theirs['writer_idle_per_call_us'] / mine['writer_idle_per_call_us']:.1f}x less); bare step "
+                      f"{mine['bare_ms']:.1f} / {theirs['bare_ms']:.1f} ms", flush=True)
+                continue
             r = per_call(blocks, args.rounds, Path(d))
             out["per_call"].append(r)
             print(f"{r['blocks']:>5} blocks ({r['modules']:,} modules, {r['calls']:,} calls/forward): bare "
@@ -185,7 +307,6 @@ def main(argv=None) -> int:
                   f"(sampled steps {r['sampled_steps']}); findings first seen at steps {r['first_seen']}",
                   flush=True)
     if args.json:
-        import json
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
