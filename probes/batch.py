@@ -32,39 +32,66 @@ HIST_SAMPLE = 1024            # as probes.measure
 MAX_UNITS = 1 << 16
 
 
-class SmallCall(NamedTuple):
-    """A copy of one small output (a NamedTuple: one is made per module call). Value i of the flattened
-    copy belongs to unit (i // inner) % units, so the histogram samples the very values call_chunk would."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class SmallLayout:
+    """The shape, dtype and device of a small output and how its values map to units: value i of the
+    flattened output belongs to unit (i // inner) % units. Made by a :class:`SmallLayouts` table, which
+    gives equal layouts one object: the batch groups calls by it, hashed by identity (cheap, once per call)."""
 
-    values: torch.Tensor      # the output, or a copy of it (any float dtype, its own shape)
     shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
     units: int
     inner: int                # the stride of the unit dimension
     track: bool               # per-unit activity is tracked (dead units)
     sat: str | None           # 'tanh' | 'sigmoid' | None
+
+
+class SmallLayouts:
+    """Interns :class:`SmallLayout` objects (one table per capture or per batch of measurements)."""
+
+    def __init__(self) -> None:
+        self._table: dict[tuple[object, ...], SmallLayout] = {}
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, udim: int,
+            sat_kind: str | None) -> SmallLayout:
+        """The layout of an output of ``shape`` whose unit dimension is ``udim``."""
+        ndim = len(shape)
+        sat = sat_kind if sat_kind in ("tanh", "sigmoid") else None
+        if ndim == 0:
+            units, inner, track = 1, 1, False
+        elif ndim == 1:
+            units, inner, track = shape[0], 1, True            # a 1-D output: every value is a unit
+        else:
+            d = udim % ndim
+            units, inner, track = shape[d], math.prod(shape[d + 1:]), True
+        key = (tuple(shape), dtype, device, units, inner, track, sat)
+        layout = self._table.get(key)
+        if layout is None:
+            layout = self._table[key] = SmallLayout(*key)
+        return layout
+
+    def clear(self) -> None:
+        self._table.clear()
+
+
+class SmallCall(NamedTuple):
+    """A small output kept by a hook (a NamedTuple: one is made per module call). The histogram samples
+    the very values call_chunk would."""
+
+    values: torch.Tensor      # the output, or a copy of it (any float dtype, its own shape)
+    layout: SmallLayout
     source: torch.Tensor | None   # the output itself while its version is watched, else None
     version: int              # the output's version counter at the hook
 
 
-def keep(x: torch.Tensor, udim: int, sat_kind: str | None, *, copy: bool, watch: bool,
-         shape: tuple[int, ...] | None = None) -> SmallCall:
+def keep(x: torch.Tensor, layout: SmallLayout, *, copy: bool, watch: bool, version: int) -> SmallCall:
     """What a hook keeps: the output itself, or a copy (``copy``) where an in-place operation later in
-    the step would change it; with ``watch`` its version is checked at the end of the step. Only the copy
-    is made here (one op); flattening and the float32 conversion happen in the batch. ``shape``: x.shape,
-    where the caller has it (reading it makes a torch.Size, about a microsecond)."""
-    if shape is None:
-        shape = x.shape
-    ndim = len(shape)
-    if ndim == 0:
-        units, inner, track = 1, 1, False
-    elif ndim == 1:
-        units, inner, track = shape[0], 1, True            # a 1-D output: every value is a unit
-    else:
-        d = udim % ndim
-        units, inner, track = shape[d], math.prod(shape[d + 1:]), True
+    the step would change it; with ``watch`` its version (``version``, read by the hook) is checked at the
+    end of the step. Only the copy is made here (one op); flattening and the float32 conversion happen in
+    the batch."""
     values = x.detach().clone(memory_format=torch.contiguous_format) if copy else x
-    return SmallCall(values, shape, units, inner, track, sat_kind if sat_kind in ("tanh", "sigmoid") else None,
-                     x if watch else None, x._version)
+    return SmallCall(values, layout, x if watch else None, version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +129,9 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
     non-unit dimensions, like call_chunk): a handful of kernels per shape whatever the number of calls.
     Chunks come out group by group, not in the step's order (the groups say where each is).
     The NaN/Inf count is known on the host (0) where reading a scalar is free and the squares are finite."""
-    groups: dict[tuple[tuple[int, ...], torch.dtype, int, int, str | None, bool], list[int]] = {}
+    groups: dict[SmallLayout, list[int]] = {}        # interned layouts: one per shape, dtype, device and units
     for i, c in enumerate(calls):
-        groups.setdefault((c.shape, c.values.dtype, c.units, c.inner, c.sat, c.track), []).append(i)
+        groups.setdefault(c.layout, []).append(i)
     stacked: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     squares: list[torch.Tensor] = []
@@ -120,8 +147,8 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
     mats: list[torch.Tensor] = []
     reduced: list[ReducedGroup] = []
     pos = 0
-    for (_, _, units, inner, sat, track), idx, v, total, sq in zip(groups, groups.values(), stacked, sums,
-                                                                   squares, strict=True):
+    for layout, idx, v, total, sq in zip(groups, groups.values(), stacked, sums, squares, strict=True):
+        units, inner, track, sat = layout.units, layout.inner, layout.track, layout.sat
         g, n = v.shape
         head = [total, sq]
         if known is None:

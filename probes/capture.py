@@ -162,7 +162,12 @@ class StepCapture:
         self.closed = False
         self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
         self.updates = tensor_stats.UpdateSampler()
-        self._unit_dims: dict[tuple[int, int], int] = {}
+        self._unit_dims: dict[tuple[int, int], int] = {}      # (module id, output ndim) -> its unit dimension
+        # (module id, shape, dtype, device) of a small output -> its layout, from one table of interned layouts
+        self._small_layouts: dict[tuple[int, tuple[int, ...], torch.dtype, torch.device], batch.SmallLayout] = {}
+        self._layouts = batch.SmallLayouts()
+        # the shapes of the last sampled step's small output gradients and the plan of their norms
+        self._grad_plan: tuple[list[tuple[int, ...]], tensor_stats.NormPlan] | None = None
         self._index_tensors: dict[int, IndexTensors] = {}   # id(list of the index) -> its tensors (this index)
         # small outputs are referenced, not copied, unless their module's output is changed in place
         # later in the step (learnt on the first sampled step, which copies all: probes.batch)
@@ -175,9 +180,14 @@ class StepCapture:
         self._copy_outputs |= changed
 
     def clear(self) -> None:
-        """Drop cached views of the model's tensors (the index is being rebuilt or the watcher closes)."""
+        """Drop cached views of the model's tensors and what was learnt of its modules (the index is being
+        rebuilt or the watcher closes)."""
         self.updates.clear()
         self._index_tensors.clear()
+        self._unit_dims.clear()
+        self._small_layouts.clear()
+        self._layouts.clear()
+        self._grad_plan = None
 
     def close(self) -> None:
         self.closed = True
@@ -185,6 +195,9 @@ class StepCapture:
         self.probe.gc.resume()
         self.updates.clear()
         self._unit_dims.clear()
+        self._small_layouts.clear()
+        self._layouts.clear()
+        self._grad_plan = None
         self._index_tensors.clear()
         self.index = None
         self.compiled = CompiledModules()
@@ -205,8 +218,11 @@ class StepCapture:
         """Prepare a sampled step: only forward pre-hooks on the root and its children, which attach the
         real hooks at the first forward of the step. Between steps (and so around other models'
         forwards) no global hook exists."""
-        if index is not self.index:
+        if index is not self.index:          # a module id may now name another module (a head swapped)
             self._index_tensors.clear()
+            self._unit_dims.clear()
+            self._small_layouts.clear()
+            self._layouts.clear()
         self.index = index
         rec = self.record = StepRecord()
         if self.compiled:
@@ -381,7 +397,7 @@ class StepCapture:
             return
         others: list[torch.Tensor]
         x: torch.Tensor | None
-        if type(output) is torch.Tensor and output.dtype in measure.FLOAT_TYPES and output.numel():
+        if type(output) is torch.Tensor and (dtype := output.dtype) in measure.FLOAT_TYPES and output.numel():
             x, others = output, []             # the common case, without walking a structure
         else:
             tensors = measure.float_tensors(output)
@@ -389,6 +405,7 @@ class StepCapture:
             if x is None:
                 return
             others = [t for t in tensors if t is not x]
+            dtype = x.dtype
         rec.order += 1
         numel = x.numel()
         # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
@@ -400,22 +417,22 @@ class StepCapture:
             if key in rec.grad_targets:
                 rec.grad_targets[key].append(mid)
             return
-        udim = self._unit_dims.get((mid, x.dim()))
-        if udim is None:
-            udim = self._unit_dims[(mid, x.dim())] = unit_dim(module, x.dim())
         if numel <= batch.SMALL_OUTPUT and not others:
-            # a copy now, reduced with the step's other small outputs at its end (one batch of kernels)
-            shape = key[3]
+            # kept (or copied) now, reduced with the step's other small outputs at its end (one batch of kernels)
+            shape, device = key[3], x.device
+            small = self._small_layouts.get((mid, shape, dtype, device))
+            if small is None:
+                small = self._small_layouts[(mid, shape, dtype, device)] = self._layouts.get(
+                    shape, dtype, device, self._unit_dim(mid, module, len(shape)), index.saturation.get(mid))
             if self._learning:
-                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
-                                                       copy=True, watch=True, shape=shape)
+                kept = batch.keep(x, small, copy=True, watch=True, version=key[1])
             elif mid in self._copy_outputs:
-                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid, copy=True,
-                                                       shape=shape)
+                kept = batch.keep(x, small, copy=True, watch=False, version=key[1])
             else:
-                slot = rec.measurements.add_small_call(x, udim, index.saturation.get(mid), mid,
-                                                       copy=False, watch=True, shape=shape)
+                kept = batch.SmallCall(x, small, x, key[1])      # batch.keep without a copy, inlined
+            slot = rec.measurements.add_kept(kept, mid)
         else:
+            udim = self._unit_dim(mid, module, x.dim())
             chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
             slot = rec.measurements.add_call(chunk, layout, mid)
         rec.measured[key] = (slot, weakref.ref(x))
@@ -431,6 +448,12 @@ class StepCapture:
                 rec.retained.append((x, targets, key[3]))
             else:
                 x.register_hook(self._output_grad_hook(rec, targets))
+
+    def _unit_dim(self, mid: int, module: nn.Module, ndim: int) -> int:
+        udim = self._unit_dims.get((mid, ndim))
+        if udim is None:
+            udim = self._unit_dims[(mid, ndim)] = unit_dim(module, ndim)
+        return udim
 
     # ====================================================================== backward
     def on_output_grad(self, rec: StepRecord, sharing: list[int], grad: torch.Tensor) -> None:
@@ -450,18 +473,25 @@ class StepCapture:
 
     def on_grad(self, tensor_id: int, grad: torch.Tensor) -> None:
         rec, index = self.record, self.index
-        if rec is None or index is None or self.closed:
+        if rec is None or index is None or self.closed or tensor_id in rec.arrived:
             return
-        with self.probe.guard("grad-hook"):
-            if tensor_id in rec.arrived:
-                return
-            rec.arrived.add(tensor_id)
-            if self.replicas:         # this rank's own gradient: the hook runs before any all-reduce
-                rec.local_grads[tensor_id] = rec.measurements.add(tensor_stats.norm32(measure.local(grad).detach()))
+        if not self.replicas:
+            # the common case, which cannot fail: no gradient was there before this one (no guard: it is
+            # most of this hook's cost, paid for every parameter)
             node = index.tensors.get(tensor_id)
-            existing = index.grad(tensor_id) if node is not None else None
-            if existing is not None:
-                rec.stale[tensor_id] = rec.measurements.add(tensor_stats.norm32(existing.detach()))
+            if node is None or node.tensor is None or node.tensor.grad is None:
+                rec.arrived.add(tensor_id)
+                return
+        self._guarded("grad-hook", self._on_grad, rec, index, tensor_id, grad)
+
+    def _on_grad(self, rec: StepRecord, index: ModelIndex, tensor_id: int, grad: torch.Tensor) -> None:
+        rec.arrived.add(tensor_id)
+        if self.replicas:         # this rank's own gradient: the hook runs before any all-reduce
+            rec.local_grads[tensor_id] = rec.measurements.add(tensor_stats.norm32(measure.local(grad).detach()))
+        node = index.tensors.get(tensor_id)
+        existing = index.grad(tensor_id) if node is not None else None
+        if existing is not None:
+            rec.stale[tensor_id] = rec.measurements.add(tensor_stats.norm32(existing.detach()))
 
     # ====================================================================== optimizer steps
     def before_optimizer_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
@@ -531,8 +561,7 @@ class StepCapture:
         rec.retained.clear()
         if small:
             grads = [g for g, _ in small]
-            norms = tensor_stats.norms(grads, tensor_stats.plan_norms(grads, shapes))
-            assert norms is not None
+            norms = self._output_grad_norms(grads, shapes)
             slot = rec.measurements.add(norms)
             out_grads = rec.out_grads
             if hooked:
@@ -553,6 +582,21 @@ class StepCapture:
             baseline, rec.orphan_baseline = rec.orphan_baseline, None
             self.measure_updates(rec, baseline)
         return rec
+
+    def _output_grad_norms(self, grads: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """The norms of the step's small output gradients, with the plan of the last sampled step while
+        their shapes are the same (the same calls in the same order: planning reads every gradient's
+        device, dtype and size, several microseconds each)."""
+        last = self._grad_plan
+        if last is None or last[0] != shapes:
+            last = self._grad_plan = (shapes, tensor_stats.plan_norms(grads, shapes))
+        try:
+            norms = tensor_stats.norms(grads, last[1])
+        except RuntimeError:       # a gradient on another device than last step's: plan again
+            last = self._grad_plan = (shapes, tensor_stats.plan_norms(grads, shapes))
+            norms = tensor_stats.norms(grads, last[1])
+        assert norms is not None
+        return norms
 
     def measure_fingerprints(self, rec: StepRecord, index: ModelIndex) -> None:
         """At the step's first forward (after DDP has broadcast the buffers): a fingerprint of every

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from . import tensor_stats
 from .capture import CallRecord, StepRecord, TensorSlot
 from .measure import Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
@@ -157,10 +156,10 @@ def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[float, float, 
     return mean, std, absmax, zero, dead, sat, nonfinite, encode_hist(counts)
 
 
-def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callable[[int], int]) -> TensorColumns:
+def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Mapping[int, float]) -> TensorColumns:
     """One entry per tensor measured in the step. The update norm measured on the sampled values is scaled to
-    the whole tensor; when the sample saw no change but the data norm did, the change of the norm is a lower
-    bound of the update."""
+    the whole tensor (``update_scales``: ModelIndex.update_scales); when the sample saw no change but the data
+    norm did, the change of the norm is a lower bound of the update."""
     plain = values.plain
 
     def column(slots: Mapping[int, TensorSlot]) -> list[float | None]:
@@ -178,9 +177,7 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, numel_of: Callabl
     for j, (tid, sampled) in enumerate(zip(tids, updates, strict=True)):
         if sampled is None:
             continue
-        numel = numel_of(tid)
-        k = tensor_stats.sample_size(numel)
-        update = sampled * (math.sqrt(numel / k) if k else 0.0)
+        update = sampled * update_scales[tid]
         if update == 0.0:
             post, data = rec.post.get(tid), cols.data_norm[j]
             if post is not None and data is not None and plain[post.slot][post.pos] != data:

@@ -50,7 +50,7 @@ class Evaluator:
     def decode(self, step: int, rec: StepRecord, values: Values, index: ModelIndex) -> tuple[DecodedStep, list[Op]]:
         """The step's statistics, fed to the detectors' windows; and their store rows."""
         modules = decode.module_columns(step, rec, values)
-        tensors = decode.tensor_columns(step, rec, values, lambda tid: index.tensors[tid].numel)
+        tensors = decode.tensor_columns(step, rec, values, index.update_scales)
         self.detectors.observe(modules, tensors)
         ops = [records.module_stats_op(decode.module_stat_rows(self.rank, step, modules)),
                records.param_stats_op(decode.param_stat_rows(self.rank, step, tensors))]

@@ -92,7 +92,7 @@ class UnitActivity:
         self.window = window
         self._offsets: dict[tuple[Any, int], int] = {}       # (key, units) -> first position in _last
         self._last = torch.empty(0, dtype=torch.int64)
-        self._plans: dict[tuple[tuple[Any, int], ...], tuple[torch.Tensor, torch.Tensor, list[tuple[Any, int]]]] = {}
+        self._plans: dict[tuple[tuple[Any, int], ...], _ActivityPlan] = {}
 
     def clear(self) -> None:
         self._offsets.clear()
@@ -101,13 +101,12 @@ class UnitActivity:
 
     def update(self, key: Any, active: torch.Tensor, sample_index: int) -> float:
         """Fold one sample's activity mask (bool, host) in; returns the dead fraction."""
-        return self.update_many([(key, active.numel())], active, sample_index)[(key, active.numel())]
+        return self.update_many([(key, active.numel())], active, sample_index)[0]
 
-    def update_many(self, keys: list[tuple[Any, int]], active: torch.Tensor,
-                    sample_index: int) -> dict[tuple[Any, int], float]:
+    def update_many(self, keys: list[tuple[Any, int]], active: torch.Tensor, sample_index: int) -> list[float]:
         """Fold in the activity masks of several calls at once: ``active`` is their masks back to back, in the
         order of ``keys`` ((module, units) of each call; a module called twice folds both calls). Returns
-        the dead fraction of each key."""
+        the dead fraction of each call's key, in the order of ``keys``."""
         plan = self._plans.get(tuple(keys))
         if plan is None:
             grow = 0
@@ -118,17 +117,28 @@ class UnitActivity:
             if grow:                                    # once for all new keys (one at a time is quadratic)
                 self._last = torch.cat([self._last, torch.full((grow,), -1, dtype=torch.int64)])
             positions = torch.cat([torch.arange(self._offsets[k], self._offsets[k] + k[1]) for k in keys])
-            unique = list(dict.fromkeys(keys))
-            own = torch.cat([torch.full((k[1],), i, dtype=torch.int64) for i, k in enumerate(unique)])
+            unique = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+            own = torch.cat([torch.full((k[1],), i, dtype=torch.int64) for k, i in unique.items()])
             span = torch.cat([torch.arange(self._offsets[k], self._offsets[k] + k[1]) for k in unique])
+            units = torch.tensor([max(1, k[1]) for k in unique], dtype=torch.float64)
             if len(self._plans) >= 4:
                 self._plans.clear()
-            plan = self._plans[tuple(keys)] = (positions, torch.stack([span, own]), unique)
-        positions, (span, own), unique = plan
-        self._last[positions[active]] = sample_index
-        dead = (self._last[span] < max(0, sample_index - self.window + 1)).to(torch.float32)
-        counts = torch.zeros(len(unique)).index_add_(0, own, dead).tolist()
-        return {k: c / max(1, k[1]) for k, c in zip(unique, counts, strict=True)}
+            plan = self._plans[tuple(keys)] = _ActivityPlan(positions, span, own, units,
+                                                            torch.tensor([unique[k] for k in keys]))
+        self._last[plan.positions[active]] = sample_index
+        dead = (self._last[plan.span] < max(0, sample_index - self.window + 1)).to(torch.float64)
+        counts = torch.zeros(len(plan.units), dtype=torch.float64).index_add_(0, plan.own, dead)
+        return (counts / plan.units)[plan.of_key].tolist()
+
+
+class _ActivityPlan(NamedTuple):
+    """Where the units of one arrangement of calls are in UnitActivity's history (made once, reused)."""
+
+    positions: torch.Tensor     # each call's units, back to back
+    span: torch.Tensor          # each distinct key's units
+    own: torch.Tensor           # the distinct key of each position of ``span``
+    units: torch.Tensor         # units per distinct key (float64, at least 1)
+    of_key: torch.Tensor        # the distinct key of each call
 
 
 class StepMeasurements:
@@ -143,6 +153,7 @@ class StepMeasurements:
         self._chunks: list[torch.Tensor | None] = []       # None: a slot whose values come from a batch
         self._calls: dict[int, tuple[CallLayout, Any]] = {}
         self._small: list[tuple[int, batch.SmallCall, Any]] = []     # reduced together at the end
+        self._layouts: batch.SmallLayouts | None = None     # add_small_call's (hooks bring their own layouts)
         self.changed_keys: set[Any] = set()     # after start_fetch: keys whose small outputs changed in place
 
     def add(self, vec: torch.Tensor) -> int:
@@ -157,14 +168,21 @@ class StepMeasurements:
         return slot
 
     def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None, *,
-                       copy: bool = True, watch: bool = False, shape: tuple[int, ...] | None = None) -> int:
+                       copy: bool = True, watch: bool = False) -> int:
         """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.batch.keep`),
         reduced with the others at the end of the step; its fetched value is a CALL_WIDTH row like
-        :meth:`add_call`'s, or none when it was changed in place without a copy (not in :attr:`Fetched.where`).
-        ``shape``: x.shape, where the caller has it."""
-        self._chunks.append(None)
-        slot = len(self._chunks) - 1
-        self._small.append((slot, batch.keep(x, udim, sat_kind, copy=copy, watch=watch, shape=shape), key))
+        :meth:`add_call`'s, or none when it was changed in place without a copy (not in :attr:`Fetched.where`)."""
+        if self._layouts is None:
+            self._layouts = batch.SmallLayouts()
+        layout = self._layouts.get(x.shape, x.dtype, x.device, udim, sat_kind)
+        return self.add_kept(batch.keep(x, layout, copy=copy, watch=watch, version=x._version), key)
+
+    def add_kept(self, call: batch.SmallCall, key: Any = None) -> int:
+        """:meth:`add_small_call` for a hook that keeps the output itself (:func:`probes.batch.keep`)."""
+        chunks = self._chunks
+        slot = len(chunks)
+        chunks.append(None)
+        self._small.append((slot, call, key))
         return slot
 
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
@@ -190,7 +208,7 @@ class StepMeasurements:
                 self.changed_keys.add(item[2])
                 if call.values is source:
                     continue                 # lost: not what the module returned, no row this step
-            batches.setdefault(call.values.device, []).append(item)
+            batches.setdefault(call.layout.device, []).append(item)
         groups = []
         for device in dict.fromkeys([*plain, *single, *batches]):
             parts: list[torch.Tensor] = []
@@ -499,9 +517,12 @@ def _call_columns(host: torch.Tensor, calls: list[tuple[int, int, CallLayout, An
     if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
         keys = [(calls[c][3], calls[c][2].units) for c in plan.tracked_calls]
-        by_key = activity.update_many(keys, active[plan.tracked_units], sample_index)
-        for c, k in zip(plan.tracked_calls, keys, strict=True):
-            dead[c] = by_key[k]
+        fractions = activity.update_many(keys, active[plan.tracked_units], sample_index)
+        if len(fractions) == n_calls:            # every call tracked: the common case
+            dead = fractions
+        else:
+            for c, fraction in zip(plan.tracked_calls, fractions, strict=True):
+                dead[c] = fraction
     return CallColumns([slot for slot, _, _, _ in calls], mean.tolist(), std.tolist(), absmax.tolist(),
                        zero.tolist(), dead, sat.tolist(), nonfinite.tolist(), hist_bytes)
 

@@ -15,6 +15,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from . import tensor_stats
 from .schema import FindingCode, TensorKind
 from .structure import (
     ModelStructure,
@@ -189,6 +190,12 @@ class ModelIndex:
 
     def optimizer_tensors(self, opt_index: int) -> list[int]:
         return self._by_optimizer.get(opt_index, [])
+
+    @functools.cached_property
+    def update_scales(self) -> dict[int, float]:
+        """Tensor id -> the factor from the norm of a sampled update to the whole tensor's
+        (probes.tensor_stats.update_scale)."""
+        return {tid: tensor_stats.update_scale(node.numel) for tid, node in self.tensors.items()}
 
     @functools.cached_property
     def _orphans(self) -> list[int]:

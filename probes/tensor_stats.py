@@ -4,6 +4,7 @@ fixed sample of each tensor across ``optimizer.step()``. Index tensors are made 
 until :func:`release_caches`."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -166,6 +167,12 @@ def _update_view(t: torch.Tensor) -> torch.Tensor:
 def sample_size(numel: int) -> int:
     """How many values the update sample takes from a tensor of ``numel`` values."""
     return max(0, numel) if numel <= UPDATE_SAMPLE else (UPDATE_SAMPLE // UPDATE_BLOCK) * UPDATE_BLOCK
+
+
+def update_scale(numel: int) -> float:
+    """The factor from the norm of the sampled change of a tensor of ``numel`` values to the whole change's."""
+    k = sample_size(numel)
+    return math.sqrt(numel / k) if k else 0.0
 
 
 class UpdateSampler:

@@ -58,3 +58,69 @@ def test_each_module_gets_the_gradient_of_its_own_output(tmp_path, rows):
     assert set(stored) == set(expected)
     for key, norm in expected.items():
         assert stored[key] == pytest.approx(norm, rel=1e-5), key
+
+
+
+class _Deep(nn.Module):
+    """12 small blocks (their gradients' norms are stacked by shape) and a narrower head; ``depth`` blocks run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(12))
+        self.head = nn.Linear(16, 8)
+        self.depth = 12
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[:self.depth]:
+            x = block(x)
+        return self.head(x)
+
+
+def _train_varying(model: _Deep, opt, w, schedule, hook_norms=None) -> None:
+    g = torch.Generator().manual_seed(2)
+    for step, (rows, bf16, depth) in enumerate(schedule):
+        if hook_norms is not None:
+            hook_norms["step"] = step
+        model.depth = depth
+        x, y = torch.randn(rows, 16, generator=g), torch.randint(0, 8, (rows,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if w is not None:
+            w.step(loss)
+
+
+def test_gradient_norms_stay_right_when_the_calls_change_between_steps(tmp_path):
+    """A sampled step reuses the last one's plan of the small gradients' norms while their shapes are the
+    same: here the same shapes come in bfloat16 (autocast), then the batch shrinks, then fewer blocks run,
+    then all as before. Each change of shapes needs a new plan: an old one mixes or misses gradients."""
+    schedule = [(8, False, 12), (8, False, 12), (8, True, 12), (4, True, 12), (8, False, 8), (8, False, 12)]
+    expected: dict = {}
+
+    def hook(path):
+        def forward_hook(module, args, output):
+            step = expected["step"]
+            output.register_hook(lambda g: expected.__setitem__((path, step), g.float().norm().item()))
+        return forward_hook
+
+    reference = _Deep()
+    for path, m in reference.named_modules():
+        m.register_forward_hook(hook(path))
+    _train_varying(reference, torch.optim.SGD(reference.parameters(), lr=0.1), None, schedule, expected)
+    del expected["step"]
+    model = _Deep()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        _train_varying(model, opt, w, schedule)
+    con = sqlite3.connect(w.store_path)
+    stored = {(path, step): norm for path, step, norm in con.execute(
+        "SELECT m.path, s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)")}
+    con.close()
+    assert w.probe_errors == {}
+    assert set(stored) == set(expected)
+    for key, norm in expected.items():
+        assert stored[key] == pytest.approx(norm, rel=1e-5), key

@@ -104,9 +104,8 @@ def test_losses_bit_identical_with_and_without_watch(make, batch, loss_fn, every
 def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure")
-    from probes import batch
     monkeypatch.setattr(measure, "call_chunk", boom)       # large outputs
-    monkeypatch.setattr(batch, "keep", boom)               # small outputs
+    monkeypatch.setattr(measure.StepMeasurements, "add_kept", boom)    # small outputs
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
