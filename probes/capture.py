@@ -15,7 +15,7 @@ import functools
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +29,7 @@ from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
 from .structure import CompiledModules, ModuleNode, unit_dim
 
-__all__ = ["MAX_CALLS_MEASURED", "CallRecord", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline",
+__all__ = ["MAX_CALLS_MEASURED", "CallRecord", "PerTensor", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline",
            "hide_global_hook_warning", "restore_warning_filters"]
 
 _HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance")   # torch >= 2.6
@@ -89,6 +89,37 @@ class TensorSlot(NamedTuple):
     pos: int
 
 
+class PerTensor:
+    """Where each tensor's value of one kind (gradient norm, data norm...) is among the fetched vectors: kept
+    vector by vector, as (slot, the tensor ids of its elements), not an object per tensor; a later vector
+    overrides an earlier one for a tensor in both."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[int, list[int]]] = []
+        self._ids: set[int] = set()
+
+    def add(self, slot: int, tensor_ids: list[int]) -> None:
+        """Element i of vector ``slot`` is the value of tensor ``tensor_ids[i]``."""
+        self.blocks.append((slot, tensor_ids))
+        self._ids.update(tensor_ids)
+
+    def __contains__(self, tensor_id: object) -> bool:
+        return tensor_id in self._ids
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def ids(self) -> set[int]:
+        return self._ids
+
+    def values(self, plain: Sequence[Sequence[float]]) -> dict[int, float]:
+        """Tensor id -> its value, from the fetched vectors (``plain[slot]``)."""
+        out: dict[int, float] = {}
+        for slot, tensor_ids in self.blocks:
+            out.update(zip(tensor_ids, plain[slot], strict=True))
+        return out
+
+
 @dataclasses.dataclass
 class UpdateBaseline:
     """Sampled values of some tensors taken before an optimizer step, compared after it."""
@@ -113,16 +144,16 @@ class StepRecord:
     root_training: bool | None = None
     arrived: set[int] = dataclasses.field(default_factory=set)                  # tensors a gradient reached
     stale: dict[int, int] = dataclasses.field(default_factory=dict)             # tensor -> slot of old .grad norm
-    grads: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
-    data: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
-    updates: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
-    post: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)       # data norm after the step
+    grads: PerTensor = dataclasses.field(default_factory=PerTensor)
+    data: PerTensor = dataclasses.field(default_factory=PerTensor)
+    updates: PerTensor = dataclasses.field(default_factory=PerTensor)             # sampled, not scaled yet
+    post: PerTensor = dataclasses.field(default_factory=PerTensor)                # data norm after the step
     baselines: dict[int, UpdateBaseline] = dataclasses.field(default_factory=dict)  # optimizer -> before
     orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
     orphans_checked: bool = False
     modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
-    fingerprints: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)   # replicas must agree
+    fingerprints: PerTensor = dataclasses.field(default_factory=PerTensor)        # replicas must agree
     local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
@@ -654,9 +685,7 @@ class StepCapture:
         vec = self.updates.delta_norms(after, baseline.taken)
         if vec is None:
             return
-        slot = rec.measurements.add(vec)
-        for pos, tid in enumerate(tids):
-            rec.updates[tid] = TensorSlot(slot, pos)
+        rec.updates.add(rec.measurements.add(vec), tids)
         if vec.device.type == "cpu":
             # reading a CPU tensor costs no sync: the full-tensor check only where the sample saw no change
             check = torch.nonzero(vec == 0).flatten().tolist()
@@ -665,9 +694,7 @@ class StepCapture:
         if check:
             post = tensor_stats.norms([after[pos] for pos in check])
             assert post is not None
-            post_slot = rec.measurements.add(post)
-            for i, pos in enumerate(check):
-                rec.post[tids[pos]] = TensorSlot(post_slot, i)
+            rec.post.add(rec.measurements.add(post), [tids[pos] for pos in check])
 
 
 def _as_float(value: object) -> float | None:
@@ -684,10 +711,7 @@ def _by_device(index: ModelIndex, tensor_ids: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _add_per_tensor(rec: StepRecord, tensor_ids: list[int], vec: torch.Tensor | None,
-                    into: dict[int, TensorSlot]) -> None:
+def _add_per_tensor(rec: StepRecord, tensor_ids: list[int], vec: torch.Tensor | None, into: PerTensor) -> None:
     """One device vector with a value per tensor: where each tensor's value will be."""
     assert vec is not None
-    slot = rec.measurements.add(vec)
-    for pos, tid in enumerate(tensor_ids):
-        into[tid] = TensorSlot(slot, pos)
+    into.add(rec.measurements.add(vec), tensor_ids)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .capture import CallRecord, StepRecord, TensorSlot
+from .capture import CallRecord, PerTensor, StepRecord
 from .measure import Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
 
@@ -162,26 +162,26 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
     norm did, the change of the norm is a lower bound of the update."""
     plain = values.plain
 
-    def column(slots: Mapping[int, TensorSlot]) -> list[float | None]:
-        get = slots.get
-        return [None if (sp := get(tid)) is None else plain[sp.slot][sp.pos] for tid in tids]
+    def column(per_tensor: PerTensor) -> list[float | None]:
+        return list(map(per_tensor.values(plain).get, tids))
 
     def first_value(slots: Mapping[int, int]) -> list[float | None]:
         get = slots.get
         return [None if (slot := get(tid)) is None else plain[slot][0] for tid in tids]
 
-    tids = sorted(set(rec.grads) | set(rec.data) | rec.arrived | set(rec.fingerprints))
+    tids = sorted(rec.grads.ids() | rec.data.ids() | rec.arrived | rec.fingerprints.ids())
     cols = TensorColumns(step, tids)
     cols.grad_norm, cols.data_norm, cols.fingerprint = column(rec.grads), column(rec.data), column(rec.fingerprints)
     updates = column(rec.updates)
+    after = rec.post.values(plain)
     for j, (tid, sampled) in enumerate(zip(tids, updates, strict=True)):
         if sampled is None:
             continue
         update = sampled * update_scales[tid]
         if update == 0.0:
-            post, data = rec.post.get(tid), cols.data_norm[j]
-            if post is not None and data is not None and plain[post.slot][post.pos] != data:
-                update = abs(plain[post.slot][post.pos] - data)
+            post, data = after.get(tid), cols.data_norm[j]
+            if post is not None and data is not None and post != data:
+                update = abs(post - data)
         updates[j] = update
     cols.update_norm = updates
     cols.stale_grad_norm = first_value(rec.stale)

@@ -188,9 +188,11 @@ class UpdateSampler:
 
     def __init__(self) -> None:
         self._views: dict[int, tuple[int, int, torch.Tensor]] = {}
+        self._plans: dict[int, _GatherPlan] = {}        # id(list of tensors) -> its plan (the list is kept)
 
     def clear(self) -> None:
         self._views.clear()
+        self._plans.clear()
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         # the flat view depends only on the storage, the number of values and contiguity (t.shape would
@@ -204,25 +206,32 @@ class UpdateSampler:
             self._views[id(t)] = (ptr, t.numel(), view)
         return view
 
-    def _gather(self, tensors: Sequence[torch.Tensor], idx: list[int]
-                ) -> tuple[list[int], torch.Tensor, tuple[int, ...]]:
-        """Whole small tensors first, then the blocks of the large ones: one flat copy."""
-        views = [self._view(tensors[i]) for i in idx]
-        small = [k for k, v in enumerate(views) if v.dim() == 1]
-        large = [k for k, v in enumerate(views) if v.dim() == 2]
-        parts = []
-        if small:
-            parts.append(torch.cat([views[k] for k in small]))
-        if large:
-            parts.append(torch.cat([views[k] for k in large]).reshape(-1))
-        order = small + large
-        return ([idx[k] for k in order], parts[0] if len(parts) == 1 else torch.cat(parts),
-                tuple(views[k].numel() for k in order))
+    def _plan(self, tensors: Sequence[torch.Tensor]) -> list[_GatherGroup]:
+        """The views to copy, per (device, dtype) group: whole small tensors first, then the blocks of the
+        large ones. A list that recurs (the model index's own) keeps its plan while every tensor keeps its
+        storage and size (reading those is a fraction of what planning costs: a view, two dims, a size each)."""
+        signature = [(t.data_ptr(), t.numel()) for t in tensors]
+        plan = self._plans.get(id(tensors))
+        if plan is not None and plan.tensors is tensors and plan.signature == signature:
+            return plan.groups
+        groups = []
+        for idx, _ in _groups(tensors):
+            views = [self._view(tensors[i]) for i in idx]
+            small = [k for k, v in enumerate(views) if v.dim() == 1]
+            large = [k for k, v in enumerate(views) if v.dim() == 2]
+            order = small + large
+            groups.append(_GatherGroup([idx[k] for k in order], [views[k] for k in small], [views[k] for k in large],
+                                       tuple(views[k].numel() for k in order)))
+        if all(t.is_contiguous() for t in tensors):          # as _view: other views are copies, made each time
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            self._plans[id(tensors)] = _GatherPlan(tensors, signature, groups)
+        return groups
 
     def take(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor, tuple[int, ...]]]:
         """The sampled values now: (tensor positions, one flat copy, sample sizes) per group."""
         with torch.no_grad():
-            return [self._gather(tensors, idx) for idx, _ in _groups(tensors)]
+            return [(g.positions, _copy(g), g.lengths) for g in self._plan(tensors)]
 
     def delta_norms(self, tensors: Sequence[torch.Tensor],
                     taken: list[tuple[list[int], torch.Tensor, tuple[int, ...]]]) -> torch.Tensor | None:
@@ -232,17 +241,45 @@ class UpdateSampler:
             return None
         device = tensors[0].device
         out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+        groups = self._plan(tensors)
+        if len(groups) != len(taken):
+            raise ValueError(f"the tensors' devices or dtypes changed during the step: {len(taken)} groups -> "
+                             f"{len(groups)}")
         with torch.no_grad():
-            for idx, before, lengths in taken:
-                idx_now, now, lengths_now = self._gather(tensors, idx)
-                if lengths_now != lengths or idx_now != idx:
-                    raise ValueError(f"sampled sizes changed during the step: {lengths} -> {lengths_now}")
-                diff = now.float()
+            for (idx, before, lengths), group in zip(taken, groups, strict=True):
+                if group.lengths != lengths or group.positions != idx:
+                    raise ValueError(f"sampled sizes changed during the step: {lengths} -> {group.lengths}")
+                diff = _copy(group).float()
                 diff.sub_(before)
                 seg = _segment_ids(lengths, diff.device)
                 sq = torch.zeros(len(idx), dtype=torch.float32, device=diff.device).index_add_(0, seg, diff * diff)
                 out[_index(idx, device)] = sq.sqrt_().to(device)
         return out
+
+
+class _GatherGroup(NamedTuple):
+    """The update samples of one (device, dtype) group of tensors, in copy order."""
+
+    positions: list[int]            # the tensors' positions in the list, small ones first
+    small: list[torch.Tensor]       # whole tensors (1-D views)
+    large: list[torch.Tensor]       # sampled blocks (2-D views)
+    lengths: tuple[int, ...]        # values taken per tensor, in ``positions`` order
+
+
+class _GatherPlan(NamedTuple):
+    tensors: Sequence[torch.Tensor]         # the list planned: kept, so that its id() (the key) stays its own
+    signature: list[tuple[int, int]]        # (data_ptr, numel) of each tensor when planned
+    groups: list[_GatherGroup]
+
+
+def _copy(group: _GatherGroup) -> torch.Tensor:
+    """One flat copy of a group's sampled values."""
+    parts = []
+    if group.small:
+        parts.append(torch.cat(group.small))
+    if group.large:
+        parts.append(torch.cat(group.large).reshape(-1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 _SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
