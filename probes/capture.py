@@ -10,6 +10,7 @@ loop. The hooks only launch device work and note where its results will be (slot
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -34,6 +35,9 @@ __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "PerTensor", "StepCapture", "Step
 
 _HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance")   # torch >= 2.6
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
+_PLAIN_LEAVES = (torch.Tensor, nn.Parameter)     # no __torch_function__ of their own: register_hook's fast case
+GradHookDict = dict[int, Callable[[torch.Tensor], Any]]     # a tensor's _backward_hooks
+_GRAD_HOOK_KEY = -0x6D73       # our key in a tensor's hook dict (torch's handle ids count up from 0: no clash)
 
 OutputKey = tuple[int, int, int, tuple[int, ...]]       # id, _version, data_ptr, shape of a module output
 UpdateTaken = list[tuple[list[int], torch.Tensor, tuple[int, ...]]]   # tensor_stats.UpdateSampler.take()
@@ -120,6 +124,16 @@ class PerTensor:
         return out
 
 
+class RetainedNorms(NamedTuple):
+    """The gradient norms of the small outputs whose gradient autograd kept: element ``start + i`` of vector
+    ``slot`` is the norm for the modules ``sharing[i]`` (each module's norms come after its ``out_grads``;
+    MAX_CALLS_MEASURED at most)."""
+
+    slot: int
+    start: int
+    sharing: list[list[int]]
+
+
 @dataclasses.dataclass
 class UpdateBaseline:
     """Sampled values of some tensors taken before an optimizer step, compared after it."""
@@ -136,6 +150,7 @@ class StepRecord:
     calls: dict[int, int] = dataclasses.field(default_factory=dict)            # module id -> calls
     rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
     out_grads: dict[int, list[TensorSlot]] = dataclasses.field(default_factory=dict)  # module id -> grad norms
+    retained_norms: RetainedNorms | None = None   # the norms of the gradients autograd kept, after out_grads'
     small_grads: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # (copy, modules)
     # small outputs whose gradient autograd keeps: (output, the modules sharing it, its shape)
     retained: list[tuple[torch.Tensor, list[int], tuple[int, ...]]] = dataclasses.field(default_factory=list)
@@ -158,6 +173,8 @@ class StepRecord:
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
+    # leaves given a gradient-hook dict of our own (they had none): (tensor, the dict)
+    own_hook_dicts: list[tuple[torch.Tensor, GradHookDict]] = dataclasses.field(default_factory=list)
     # while a compiled model runs this step eagerly: the compiled call of each module compiled in place, the
     # hooks on torch.compile wrappers, and the stances those hooks entered (innermost last)
     compiled_calls: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
@@ -197,6 +214,10 @@ class StepCapture:
         # (module id, shape, dtype, device) of a small output -> its layout, from one table of interned layouts
         self._small_layouts: dict[tuple[int, tuple[int, ...], torch.dtype, torch.device], batch.SmallLayout] = {}
         self._layouts = batch.SmallLayouts()
+        # _gradient_hooks(): per index, each trainable leaf and the hook dict it gets
+        self._grad_hooks: tuple[ModelIndex, list[tuple[torch.Tensor, GradHookDict | None]]] | None = None
+        self._hook_ids: dict[int, int] = {}                      # id(tensor) -> its tensor id in the index
+        self._top_level: tuple[ModelIndex, list[nn.Module]] | None = None    # arm()'s modules, per index
         # the shapes of the last sampled step's small output gradients and the plan of their norms
         self._grad_plan: tuple[list[tuple[int, ...]], tensor_stats.NormPlan] | None = None
         self._index_tensors: dict[int, IndexTensors] = {}   # id(list of the index) -> its tensors (this index)
@@ -219,6 +240,7 @@ class StepCapture:
         self._small_layouts.clear()
         self._layouts.clear()
         self._grad_plan = None
+        self._grad_hooks, self._hook_ids, self._top_level = None, {}, None
 
     def close(self) -> None:
         self.closed = True
@@ -229,6 +251,7 @@ class StepCapture:
         self._small_layouts.clear()
         self._layouts.clear()
         self._grad_plan = None
+        self._grad_hooks, self._hook_ids, self._top_level = None, {}, None
         self._index_tensors.clear()
         self.index = None
         self.compiled = CompiledModules()
@@ -254,12 +277,15 @@ class StepCapture:
             self._unit_dims.clear()
             self._small_layouts.clear()
             self._layouts.clear()
+            self._grad_hooks = None
         self.index = index
         rec = self.record = StepRecord()
         if self.compiled:
             self._run_eagerly(rec)
         trigger = self._eager(self.on_trigger)
-        for module in index.top_level_modules():
+        if self._top_level is None or self._top_level[0] is not index:
+            self._top_level = (index, index.top_level_modules())
+        for module in self._top_level[1]:
             rec.handles.append(module.register_forward_pre_hook(trigger))
 
     def detach(self) -> StepRecord | None:
@@ -283,6 +309,14 @@ class StepCapture:
             for h in rec.handles:
                 h.remove()
             rec.handles.clear()
+            for tensor, hooks in rec.own_hook_dicts:
+                if tensor._backward_hooks is hooks:
+                    if len(hooks) == 1:
+                        tensor._backward_hooks = None
+                    else:                      # the user added a hook to it meanwhile: the dict is theirs now
+                        del hooks[_GRAD_HOOK_KEY]
+                        self._grad_hooks = None
+            rec.own_hook_dicts.clear()
             for t in rec.hooked:
                 # an emptied hook dict still leaves autograd a (Python) pre-hook to call on every backward:
                 # a tensor that had no hooks before gets none back, and its fast path with it
@@ -302,6 +336,7 @@ class StepCapture:
                 found.methods + tuple((m, n) for m, n, _ in rec.compiled_methods
                                       if not any(m is x and n == y for x, y in found.methods)))
         self.compiled = found
+        self._grad_hooks = None                 # their hooks are wrapped for compiled models (_eager)
 
     def _run_eagerly(self, rec: StepRecord) -> None:
         """A compiled model runs its sampled steps eagerly: the compiled graph never sees our hooks, so it is
@@ -345,15 +380,40 @@ class StepCapture:
             rec.handles.append(mod.register_module_forward_hook(self._eager(self.on_forward)))
             if self.compiled.wrappers:
                 rec.warning_filter = hide_global_hook_warning()
-            for t in index.grad_hook_targets():
-                assert t.tensor is not None
-                if t.tensor._backward_hooks is None:
-                    rec.hooked.append(t.tensor)
-                rec.handles.append(t.tensor.register_hook(self._eager(functools.partial(self.on_grad, t.param_id))))
+            own = rec.own_hook_dicts
+            for tensor, hooks in self._gradient_hooks(index):
+                if hooks is not None and tensor._backward_hooks is None and tensor.requires_grad:
+                    # what Tensor.register_hook does for a leaf without hooks, without making a handle and a
+                    # dict each time (most of its cost, paid for every parameter); detach() sets None back
+                    tensor._backward_hooks = hooks
+                    own.append((tensor, hooks))
+                else:
+                    if tensor._backward_hooks is None:
+                        rec.hooked.append(tensor)
+                    rec.handles.append(tensor.register_hook(self._eager(functools.partial(
+                        self.on_grad, self._hook_ids[id(tensor)]))))
             if self.replicas:
                 self.measure_fingerprints(rec, index)
         # the global pre-hook registered just now does not run for the call in progress
         self.on_pre_forward(module, args)
+
+    def _gradient_hooks(self, index: ModelIndex) -> list[tuple[torch.Tensor, GradHookDict | None]]:
+        """Each trainable leaf of the index with the hook dict it gets while it has no hooks of its own (None:
+        not a plain tensor, its hook goes through register_hook); made once per index."""
+        if self._grad_hooks is not None and self._grad_hooks[0] is index:
+            return self._grad_hooks[1]
+        hooks: list[tuple[torch.Tensor, GradHookDict | None]] = []
+        self._hook_ids = {}
+        for t in index.grad_hook_targets():
+            tensor = t.tensor
+            assert tensor is not None
+            self._hook_ids[id(tensor)] = t.param_id
+            plain = type(tensor) in _PLAIN_LEAVES and tensor.grad_fn is None
+            # an OrderedDict, as torch makes: a user's handle on it holds it by a weak reference
+            hooks.append((tensor, collections.OrderedDict(
+                {_GRAD_HOOK_KEY: self._eager(functools.partial(self.on_grad, t.param_id))}) if plain else None))
+        self._grad_hooks = (index, hooks)
+        return hooks
 
     # ====================================================================== forward
     def on_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -580,31 +640,25 @@ class StepCapture:
         assert rec is not None and index is not None
         small = rec.small_grads               # copies made by gradient hooks during backward (slot -1)
         hooked = len(small)
+        grads = [g for g, _ in small]
+        shapes: list[tuple[int, ...]] = [g.shape for g in grads]
         kept: list[list[int]] = []
-        shapes: list[tuple[int, ...]] = [g.shape for g, _ in small]
         for x, sharing, shape in rec.retained:
             grad = x.grad
             if grad is not None:
                 x.grad = None                   # what the user holds is left as it was
-                small.append((grad, sharing))
+                grads.append(grad)
                 kept.append(sharing)
                 shapes.append(shape)            # the output's, read by the hook (a torch.Size costs ~1 us)
         rec.retained.clear()
-        if small:
-            grads = [g for g, _ in small]
-            norms = self._output_grad_norms(grads, shapes)
-            slot = rec.measurements.add(norms)
-            out_grads = rec.out_grads
+        if grads:
+            slot = rec.measurements.add(self._output_grad_norms(grads, shapes))
             if hooked:
+                out_grads = rec.out_grads
                 for mid, slots in out_grads.items():
                     out_grads[mid] = [TensorSlot(slot, s.pos) if s.slot == -1 else s for s in slots]
-            for pos, sharing in enumerate(kept, hooked):
-                for mid in sharing:
-                    have = out_grads.get(mid)
-                    if have is None:
-                        out_grads[mid] = [TensorSlot(slot, pos)]
-                    elif len(have) < MAX_CALLS_MEASURED:
-                        have.append(TensorSlot(slot, pos))
+            if kept:
+                rec.retained_norms = RetainedNorms(slot, hooked, kept)
             small.clear()
         remaining = [t for t in index.gradient_tensors() if t not in rec.grads]
         if remaining:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .capture import CallRecord, PerTensor, StepRecord
+from .capture import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
 from .measure import Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
 
@@ -125,19 +125,26 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     cols.order = [f.order for f in firsts]
     cols.training = [f.training for f in firsts]
     cols.grad_enabled = [f.grad_enabled for f in firsts]
-    out_grads, plain = rec.out_grads, values.plain
-    norms: list[float | None] = []
-    for mid in cols.module_ids:
-        grads = out_grads.get(mid)
-        if not grads:
-            norms.append(None)
-        elif len(grads) == 1:
-            s = grads[0]
-            norms.append(plain[s.slot][s.pos])
-        else:
-            norms.append(sum(plain[s.slot][s.pos] for s in grads) / len(grads))
-    cols.out_grad_norm = norms
+    get = _out_grad_norms(rec, values.plain).get
+    cols.out_grad_norm = [None if not (g := get(mid)) else g[0] if len(g) == 1 else sum(g) / len(g)
+                          for mid in cols.module_ids]
     return cols
+
+
+def _out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, list[float]]:
+    """Module id -> the norms of its outputs' gradients (MAX_CALLS_MEASURED calls at most), in call order."""
+    norms = {mid: [plain[s.slot][s.pos] for s in slots] for mid, slots in rec.out_grads.items()}
+    retained = rec.retained_norms
+    if retained is not None:
+        vec = plain[retained.slot]
+        for value, sharing in zip(vec[retained.start:], retained.sharing, strict=True):
+            for mid in sharing:
+                have = norms.get(mid)
+                if have is None:
+                    norms[mid] = [value]
+                elif len(have) < MAX_CALLS_MEASURED:
+                    have.append(value)
+    return norms
 
 
 def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[float, float, float, float, float, float,

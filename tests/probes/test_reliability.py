@@ -64,6 +64,43 @@ def test_a_sampled_step_leaves_no_hook_for_the_unsampled_ones(run_dir):
         assert all(len(d) == 0 for m in model.modules() if m is not model for d in hook_dicts(m))
 
 
+def test_the_users_own_gradient_hooks_keep_working_around_sampled_steps(run_dir):
+    """modscope gives a parameter without hooks a hook dict of its own for a sampled step. A hook the user had
+    before, and one the user adds to that very dict in the middle of the step, both run on every step and
+    stay after the step and after close; modscope's own hook is gone after each sampled step."""
+    model = zoo.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first, second, third = list(model.parameters())[:3]
+    fired: list[tuple[str, int]] = []
+    step = [0]
+    kept = first.register_hook(lambda g: fired.append(("before", step[0])))
+    added = None
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
+        for step[0] in range(3):                   # steps 0 and 2 sampled
+            out = model(torch.randn(4, 32, generator=g))
+            if step[0] == 0:                       # modscope's hooks are attached by now
+                assert isinstance(second._backward_hooks, dict) and len(second._backward_hooks) == 1
+                added = second.register_hook(lambda g: fired.append(("during", step[0])))
+            loss = F.cross_entropy(out, torch.randint(0, 10, (4,), generator=g))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            assert list(first._backward_hooks) == [kept.id] and list(second._backward_hooks) == [added.id]
+            assert third._backward_hooks is None
+        assert w.probe_errors == {}
+    assert sorted(fired) == sorted([("before", s) for s in range(3)] + [("during", s) for s in range(3)])
+    assert list(first._backward_hooks) == [kept.id] and list(second._backward_hooks) == [added.id]
+    added.remove()
+    kept.remove()
+    assert not second._backward_hooks and not first._backward_hooks
+    con = sqlite3.connect(w.store_path)
+    stored = con.execute("SELECT COUNT(*) FROM param_stats WHERE grad_norm IS NOT NULL AND step = 0").fetchone()[0]
+    con.close()
+    assert stored == len(list(model.parameters()))
+
+
 def test_closed_watcher_ignores_further_training(run_dir):
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
