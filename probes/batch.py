@@ -106,10 +106,9 @@ class ChunkLayoutSpec:
 
 
 class ReducedGroup(NamedTuple):
-    """Calls of one shape and layout: call ``calls[j]`` (its position in the batch) starts at
-    ``start + j * width`` of the batch's chunk."""
+    """The calls of one group (one shape and layout): call j of the group starts at ``start + j * width`` of
+    the batch's chunk."""
 
-    calls: list[int]
     start: int
     width: int
     spec: ChunkLayoutSpec
@@ -123,20 +122,19 @@ class ReducedCalls(NamedTuple):
     known_nonfinite: int | None       # 0 for all calls when known on the host, else counted into each chunk
 
 
-def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> ReducedCalls:
-    """Every call's raw chunk, as :func:`probes.measure.call_chunk` makes it for one output. Calls of one shape,
-    dtype and layout are stacked and reduced together with dense reductions (per-unit extremes over the
-    non-unit dimensions, like call_chunk): a handful of kernels per shape whatever the number of calls.
-    Chunks come out group by group, not in the step's order (the groups say where each is).
-    The NaN/Inf count is known on the host (0) where reading a scalar is free and the squares are finite."""
-    groups: dict[SmallLayout, list[int]] = {}        # interned layouts: one per shape, dtype, device and units
-    for i, c in enumerate(calls):
-        groups.setdefault(c.layout, []).append(i)
+def reduce_calls(groups: Sequence[Sequence[torch.Tensor]], layouts: Sequence[SmallLayout],
+                 scalar_reads_free: bool) -> ReducedCalls:
+    """Every call's raw chunk, as :func:`probes.measure.call_chunk` makes it for one output. ``groups``: the kept
+    values of the calls of one layout each (``layouts``: one shape, dtype, device and unit layout), stacked and
+    reduced together with dense reductions (per-unit extremes over the non-unit dimensions, like call_chunk):
+    a handful of kernels per layout whatever the number of calls. Chunks come out group by group (the
+    returned groups say where each is). The NaN/Inf count is known on the host (0) where reading a scalar is
+    free and the squares are finite."""
     stacked: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     squares: list[torch.Tensor] = []
-    for idx in groups.values():
-        v = torch.stack([calls[i].values for i in idx]).reshape(len(idx), -1)
+    for values in groups:
+        v = torch.stack(list(values)).reshape(len(values), -1)
         v = v if v.dtype == torch.float32 else v.float()
         stacked.append(v)
         sums.append(v.sum(1))
@@ -147,7 +145,7 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
     mats: list[torch.Tensor] = []
     reduced: list[ReducedGroup] = []
     pos = 0
-    for layout, idx, v, total, sq in zip(groups, groups.values(), stacked, sums, squares, strict=True):
+    for layout, v, total, sq in zip(layouts, stacked, sums, squares, strict=True):
         units, inner, track, sat = layout.units, layout.inner, layout.track, layout.sat
         g, n = v.shape
         head = [total, sq]
@@ -163,6 +161,6 @@ def reduce_calls(calls: Sequence[SmallCall], scalar_reads_free: bool) -> Reduced
         mat = torch.cat([torch.stack(head, 1), by_unit.amax(dim=(1, 3)), by_unit.amin(dim=(1, 3)), sample], 1)
         mats.append(mat.reshape(-1))
         spec = ChunkLayoutSpec(n, units, track and units <= MAX_UNITS, sample.shape[1], sat is not None)
-        reduced.append(ReducedGroup(idx, pos, mat.shape[1], spec))
+        reduced.append(ReducedGroup(pos, mat.shape[1], spec))
         pos += mat.numel()
     return ReducedCalls(torch.cat(mats) if len(mats) > 1 else mats[0], reduced, known)

@@ -150,15 +150,18 @@ class StepMeasurements:
     small op several times over (cold caches); the batch after the step does not."""
 
     def __init__(self) -> None:
-        self._chunks: list[torch.Tensor | None] = []       # None: a slot whose values come from a batch
+        self._slots = 0                                     # slots given out so far
+        self._vectors: list[tuple[int, torch.Tensor]] = []  # (slot, vector): the plain vectors and call chunks
         self._calls: dict[int, tuple[CallLayout, Any]] = {}
         self._small: list[tuple[int, batch.SmallCall, Any]] = []     # reduced together at the end
         self._layouts: batch.SmallLayouts | None = None     # add_small_call's (hooks bring their own layouts)
         self.changed_keys: set[Any] = set()     # after start_fetch: keys whose small outputs changed in place
 
     def add(self, vec: torch.Tensor) -> int:
-        self._chunks.append(vec.detach())
-        return len(self._chunks) - 1
+        slot = self._slots
+        self._slots = slot + 1
+        self._vectors.append((slot, vec.detach()))
+        return slot
 
     def add_call(self, chunk: torch.Tensor, layout: CallLayout, key: Any = None) -> int:
         """A module call's raw chunk from :func:`call_chunk`; its fetched value is a CALL_WIDTH row.
@@ -179,9 +182,8 @@ class StepMeasurements:
 
     def add_kept(self, call: batch.SmallCall, key: Any = None) -> int:
         """:meth:`add_small_call` for a hook that keeps the output itself (:func:`probes.batch.keep`)."""
-        chunks = self._chunks
-        slot = len(chunks)
-        chunks.append(None)
+        slot = self._slots
+        self._slots = slot + 1
         self._small.append((slot, call, key))
         return slot
 
@@ -196,10 +198,9 @@ class StepMeasurements:
         # per device: plain vectors first (only they are turned into Python lists whole), then calls
         plain: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         single: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for i, c in enumerate(self._chunks):
-            if c is not None:
-                (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
-        batches: dict[torch.device, list[tuple[int, batch.SmallCall, Any]]] = {}
+        for i, c in self._vectors:
+            (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
+        by_layout: dict[batch.SmallLayout, list[tuple[int, batch.SmallCall, Any]]] = {}
         self.changed_keys = set()
         for item in self._small:
             call = item[1]
@@ -208,12 +209,15 @@ class StepMeasurements:
                 self.changed_keys.add(item[2])
                 if call.values is source:
                     continue                 # lost: not what the module returned, no row this step
-            batches.setdefault(call.layout.device, []).append(item)
+            by_layout.setdefault(call.layout, []).append(item)    # interned layouts: hashed by identity
+        batches: dict[torch.device, list[list[tuple[int, batch.SmallCall, Any]]]] = {}
+        for small, items in by_layout.items():
+            batches.setdefault(small.device, []).append(items)
         groups = []
         for device in dict.fromkeys([*plain, *single, *batches]):
             parts: list[torch.Tensor] = []
             plain_slots: list[tuple[int, int, int]] = []      # slot, start, length
-            call_slots: list[tuple[int, int, CallLayout, Any]] = []   # slot, start, layout, key
+            calls = CallSlots([], [], [], [])
             pos = 0
             for i, c in plain.get(device, []):
                 parts.append(c.reshape(-1))
@@ -222,30 +226,50 @@ class StepMeasurements:
             for i, c in single.get(device, []):
                 parts.append(c.reshape(-1))
                 layout, key = self._calls[i]
-                call_slots.append((i, pos, layout, key))
+                calls.add(i, pos, layout, key)
                 pos += parts[-1].numel()
-            items = batches.get(device)
-            if items:
+            by_shape = batches.get(device)
+            if by_shape:
                 with torch.no_grad():        # kept outputs may require grad: the batch records no graph
-                    reduced = batch.reduce_calls([c for _, c, _ in items], device.type == "cpu")
+                    reduced = batch.reduce_calls([[c.values for _, c, _ in items] for items in by_shape],
+                                                 [items[0][1].layout for items in by_shape], device.type == "cpu")
                 parts.append(reduced.chunk)
-                for group in reduced.groups:
+                for items, group in zip(by_shape, reduced.groups, strict=True):
                     spec = group.spec
-                    layout = CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
-                                        reduced.known_nonfinite, spec.sat)
-                    start, width = pos + group.start, group.width
-                    call_slots.extend([(items[j][0], start + k * width, layout, items[j][2])
-                                       for k, j in enumerate(group.calls)])
+                    n, start, width = len(items), pos + group.start, group.width
+                    calls.slots.extend([item[0] for item in items])
+                    calls.starts.extend(range(start, start + n * width, width))
+                    calls.layouts.extend([CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
+                                                     reduced.known_nonfinite, spec.sat)] * n)
+                    calls.keys.extend([item[2] for item in items])
                 pos += reduced.chunk.numel()
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
             dev = torch.cat(parts)
             host, event = _start_copy(dev)
-            groups.append(_FetchGroup(plain_slots, call_slots, dev, host, event))
-        n = len(self._chunks)
-        self._chunks.clear()
+            groups.append(_FetchGroup(plain_slots, calls, dev, host, event))
+        n = self._slots
+        self._slots = 0
+        self._vectors.clear()
         self._calls.clear()
         self._small.clear()
         return PendingFetch(n, groups)
+
+
+class CallSlots(NamedTuple):
+    """The module calls of one device's fetch, column by column: call i is slot ``slots[i]``, its raw chunk
+    starts at ``starts[i]`` of the host copy, laid out as ``layouts[i]``; ``keys[i]`` names whose unit
+    activity it extends."""
+
+    slots: list[int]
+    starts: list[int]
+    layouts: list[CallLayout]
+    keys: list[Any]
+
+    def add(self, slot: int, start: int, layout: CallLayout, key: Any) -> None:
+        self.slots.append(slot)
+        self.starts.append(start)
+        self.layouts.append(layout)
+        self.keys.append(key)
 
 
 @dataclasses.dataclass
@@ -253,7 +277,7 @@ class _FetchGroup:
     """One device's part of a step's host copy."""
 
     plain: list[tuple[int, int, int]]
-    calls: list[tuple[int, int, CallLayout, Any]]
+    calls: CallSlots
     dev: torch.Tensor
     host: torch.Tensor
     event: Any
@@ -308,7 +332,7 @@ class PendingFetch:
                 flat = g.host[:end].tolist()
                 for i, start, n in g.plain:
                     plain[i] = flat[start:start + n]
-            if g.calls:
+            if g.calls.slots:
                 calls.append(_call_columns(g.host, g.calls, activity, sample_index))
         self._groups = []
         return Fetched(plain, calls)
@@ -474,16 +498,16 @@ def _pick(host: torch.Tensor, positions: torch.Tensor, missing: float) -> torch.
     return torch.where(positions >= 0, out, torch.full_like(out, missing))
 
 
-def _call_columns(host: torch.Tensor, calls: list[tuple[int, int, CallLayout, Any]],
+def _call_columns(host: torch.Tensor, calls: CallSlots,
                   activity: UnitActivity | None, sample_index: int) -> CallColumns:
     """Every statistic of every call from their raw chunks in ``host`` (CPU), vector by vector: extremes,
     moments, histograms, per-module unit activity. Nothing here runs a loop per call but the dead
     fractions' lookup."""
-    n_calls = len(calls)
+    n_calls = len(calls.slots)
     # the plan is relative to the first call: plain vectors before it change size from step to step
-    base = calls[0][1]
+    base = calls.starts[0]
     host = host[base:]
-    plan = _plan([s - base for _, s, _, _ in calls], [lay for _, _, lay, _ in calls])
+    plan = _plan([s - base for s in calls.starts] if base else calls.starts, calls.layouts)
     umax, umin = host.index_select(0, plan.pmax), host.index_select(0, plan.pmin)
     hi = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umax, "amax", include_self=False).double()
     lo = torch.full((n_calls,), float("nan")).scatter_reduce_(0, plan.seg, umin, "amin", include_self=False).double()
@@ -516,14 +540,15 @@ def _call_columns(host: torch.Tensor, calls: list[tuple[int, int, CallLayout, An
     dead = [NOT_APPLICABLE] * n_calls
     if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
-        keys = [(calls[c][3], calls[c][2].units) for c in plan.tracked_calls]
+        keys_of, layouts = calls.keys, calls.layouts
+        keys = [(keys_of[c], layouts[c].units) for c in plan.tracked_calls]
         fractions = activity.update_many(keys, active[plan.tracked_units], sample_index)
         if len(fractions) == n_calls:            # every call tracked: the common case
             dead = fractions
         else:
             for c, fraction in zip(plan.tracked_calls, fractions, strict=True):
                 dead[c] = fraction
-    return CallColumns([slot for slot, _, _, _ in calls], mean.tolist(), std.tolist(), absmax.tolist(),
+    return CallColumns(calls.slots, mean.tolist(), std.tolist(), absmax.tolist(),
                        zero.tolist(), dead, sat.tolist(), nonfinite.tolist(), hist_bytes)
 
 
