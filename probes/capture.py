@@ -215,8 +215,8 @@ class StepCapture:
         self._small_layouts: dict[tuple[int, tuple[int, ...], torch.dtype, torch.device], batch.SmallLayout] = {}
         self._layouts = batch.SmallLayouts()
         # _gradient_hooks(): per index, each trainable leaf and the hook dict it gets
-        self._grad_hooks: tuple[ModelIndex, list[tuple[torch.Tensor, GradHookDict | None]]] | None = None
-        self._hook_ids: dict[int, int] = {}                      # id(tensor) -> its tensor id in the index
+        self._grad_hooks: tuple[ModelIndex, list[tuple[torch.Tensor, Callable[[torch.Tensor], Any],
+                                                       GradHookDict | None]]] | None = None
         self._top_level: tuple[ModelIndex, list[nn.Module]] | None = None    # arm()'s modules, per index
         # the shapes of the last sampled step's small output gradients and the plan of their norms
         self._grad_plan: tuple[list[tuple[int, ...]], tensor_stats.NormPlan] | None = None
@@ -240,7 +240,7 @@ class StepCapture:
         self._small_layouts.clear()
         self._layouts.clear()
         self._grad_plan = None
-        self._grad_hooks, self._hook_ids, self._top_level = None, {}, None
+        self._grad_hooks, self._top_level = None, None
 
     def close(self) -> None:
         self.closed = True
@@ -251,7 +251,7 @@ class StepCapture:
         self._small_layouts.clear()
         self._layouts.clear()
         self._grad_plan = None
-        self._grad_hooks, self._hook_ids, self._top_level = None, {}, None
+        self._grad_hooks, self._top_level = None, None
         self._index_tensors.clear()
         self.index = None
         self.compiled = CompiledModules()
@@ -381,7 +381,7 @@ class StepCapture:
             if self.compiled.wrappers:
                 rec.warning_filter = hide_global_hook_warning()
             own = rec.own_hook_dicts
-            for tensor, hooks in self._gradient_hooks(index):
+            for tensor, hook, hooks in self._gradient_hooks(index):
                 if hooks is not None and tensor._backward_hooks is None and tensor.requires_grad:
                     # what Tensor.register_hook does for a leaf without hooks, without making a handle and a
                     # dict each time (most of its cost, paid for every parameter); detach() sets None back
@@ -390,28 +390,26 @@ class StepCapture:
                 else:
                     if tensor._backward_hooks is None:
                         rec.hooked.append(tensor)
-                    rec.handles.append(tensor.register_hook(self._eager(functools.partial(
-                        self.on_grad, self._hook_ids[id(tensor)]))))
+                    rec.handles.append(tensor.register_hook(hook))
             if self.replicas:
                 self.measure_fingerprints(rec, index)
         # the global pre-hook registered just now does not run for the call in progress
         self.on_pre_forward(module, args)
 
-    def _gradient_hooks(self, index: ModelIndex) -> list[tuple[torch.Tensor, GradHookDict | None]]:
-        """Each trainable leaf of the index with the hook dict it gets while it has no hooks of its own (None:
-        not a plain tensor, its hook goes through register_hook); made once per index."""
+    def _gradient_hooks(self, index: ModelIndex) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], Any],
+                                                                  GradHookDict | None]]:
+        """Each trainable leaf of the index, its gradient hook, and the hook dict it gets while it has no hooks
+        of its own (None: not a plain tensor, its hook goes through register_hook); made once per index."""
         if self._grad_hooks is not None and self._grad_hooks[0] is index:
             return self._grad_hooks[1]
-        hooks: list[tuple[torch.Tensor, GradHookDict | None]] = []
-        self._hook_ids = {}
+        hooks: list[tuple[torch.Tensor, Callable[[torch.Tensor], Any], GradHookDict | None]] = []
         for t in index.grad_hook_targets():
             tensor = t.tensor
             assert tensor is not None
-            self._hook_ids[id(tensor)] = t.param_id
+            hook = self._eager(functools.partial(self.on_grad, t.param_id))
             plain = type(tensor) in _PLAIN_LEAVES and tensor.grad_fn is None
             # an OrderedDict, as torch makes: a user's handle on it holds it by a weak reference
-            hooks.append((tensor, collections.OrderedDict(
-                {_GRAD_HOOK_KEY: self._eager(functools.partial(self.on_grad, t.param_id))}) if plain else None))
+            hooks.append((tensor, hook, collections.OrderedDict({_GRAD_HOOK_KEY: hook}) if plain else None))
         self._grad_hooks = (index, hooks)
         return hooks
 
