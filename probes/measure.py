@@ -530,9 +530,9 @@ def _call_columns(host: torch.Tensor, calls: CallSlots,
     mean = s / plan.numel
     var = d / plan.numel - mean * mean
     # exactly 0 for a constant output (E[x^2] - mean^2 would leave rounding noise); NaN stays NaN
-    zero = torch.zeros_like(var)
-    spread = torch.where(var > 0, var.clamp(min=0).sqrt(), torch.where(torch.isnan(var), var, zero))
-    std = torch.where(hi == lo, zero, spread)
+    zeros = torch.zeros_like(var)
+    spread = torch.where(var > 0, var.clamp(min=0).sqrt(), torch.where(torch.isnan(var), var, zeros))
+    std = torch.where(hi == lo, zeros, spread)
     nonfinite = torch.where(torch.isnan(plan.known_nonfinite), _pick(host, plan.head_nonfinite, math.nan),
                             plan.known_nonfinite)
     sat = _pick(host, plan.head_sat, NOT_APPLICABLE)

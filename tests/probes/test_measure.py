@@ -6,7 +6,7 @@ import torch
 
 from probes import measure as M
 from probes import tensor_stats as TS
-from probes.schema import HIST_BINS, HIST_EDGES
+from probes.schema import HIST_BINS, HIST_EDGES, ZERO_BIN
 
 
 def stats(x, udim=None, sat=None, activity=None, sample_index=0, window=16, extra=()):
@@ -37,12 +37,13 @@ def test_moments_and_extremes(shape, udim):
 
 def test_histogram_bins_and_zero_bin():
     x = torch.tensor([0.0, 1e-9, -5.0, 200.0, 1.0, 2.0, 3.0, 4.0, 5.0, -0.5])
-    _, hist, _ = stats(x)
+    head, hist, _ = stats(x)
     expected = [0] * HIST_BINS
     for v in x.tolist():
         expected[sum(1 for e in HIST_EDGES if v >= e)] += 1
     assert hist == expected
     assert hist[M.ZERO_BIN] == 2
+    assert head["zero_frac"] == pytest.approx(0.2)      # the zero bin's share of the sample
 
 
 def test_constant_output_has_exactly_zero_std():
@@ -224,6 +225,7 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch, scalar_reads_free
             head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)], strict=False))
             assert head["nonfinite"] == ref["nonfinite"], key
             assert row[len(M.CALL_FIELDS):] == ref["hist"], key
+            assert head["zero_frac"] == pytest.approx(ref["hist"][ZERO_BIN] / sum(ref["hist"])), key
             if ref["nonfinite"]:
                 assert math.isnan(head["mean"]), key
                 continue
@@ -282,3 +284,37 @@ def test_small_outputs_reduced_at_the_end_match_the_in_hook_chunks(scalar_reads_
                     assert math.isnan(g), (key, name)
                 else:
                     assert g == pytest.approx(w, rel=1e-5, abs=1e-6), (key, name)
+
+
+@pytest.mark.parametrize("rows", [256, 8], ids=["large-outputs", "small-outputs"])
+def test_stored_zero_fraction_is_the_share_of_zeros_in_each_output(tmp_path, rows):
+    """The zero fraction of a module called once per step, as stored, for outputs reduced in the hook (large) and
+    at the end of the step (small): a ReLU after a Linear whose bias puts a known share of units below zero.
+    (It was stored as 0.0 for every module called once: the zero fraction's name was reused for a zero tensor.)"""
+    import sqlite3
+
+    import probes
+    from probes import batch
+
+    assert (rows * 64 > batch.SMALL_OUTPUT) == (rows == 256)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+        model[0].bias.copy_(torch.where(torch.arange(64) < 48, -1.0, 1.0))     # 48 of 64 units below zero
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    expected = []
+    model[1].register_forward_hook(lambda m, a, out: expected.append((out == 0).double().mean().item()))
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        for _ in range(3):
+            loss = model(torch.randn(rows, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    con = sqlite3.connect(w.store_path)
+    stored = [z for (z,) in con.execute("SELECT s.zero_frac FROM module_stats s JOIN modules m USING(rank, module_id) "
+                                        "WHERE m.path = '1' ORDER BY s.step")]
+    con.close()
+    assert expected == [0.75] * 3
+    assert stored == pytest.approx(expected)
