@@ -9,41 +9,51 @@ every sampled step, and Python's collector would walk them all again and again.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+
+import torch
 
 from .capture import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
-from .measure import Fetched
+from .measure import CALL_FIELDS, Fetched
 from .schema import ZERO_BIN, decode_hist, encode_hist
 
 Values = Fetched       # a sampled step's host values (probes.measure.PendingFetch.read)
 
 
+MODULE_STATS = CALL_FIELDS      # the columns of ModuleColumns.stats: each call's, aggregated per module
+_DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("dead_frac", "sat_frac", "nonfinite"))
+
+
 @dataclasses.dataclass
 class ModuleColumns:
-    """One sampled step's statistics of every module measured in it, column by column (same order)."""
+    """One sampled step's statistics of every module measured in it, column by column (same order).
+
+    ``stats`` holds the floating statistics, one float64 row per module, MODULE_STATS in order, NaN where a
+    statistic does not apply (no sample, no units tracked, not a saturating activation); the moments are as
+    measured (NaN or Inf when the output had some) and ``nonfinite`` is the NaN/Inf count. A tensor, not lists:
+    the detectors take whole columns of it and the store's rows clean them column by column."""
 
     step: int
     module_ids: list[int] = dataclasses.field(default_factory=list)
     calls: list[int] = dataclasses.field(default_factory=list)
     numel: list[int] = dataclasses.field(default_factory=list)
-    mean: list[float | None] = dataclasses.field(default_factory=list)
-    std: list[float | None] = dataclasses.field(default_factory=list)
-    absmax: list[float | None] = dataclasses.field(default_factory=list)
-    zero_frac: list[float | None] = dataclasses.field(default_factory=list)
-    dead_frac: list[float | None] = dataclasses.field(default_factory=list)
-    sat_frac: list[float | None] = dataclasses.field(default_factory=list)
-    nonfinite: list[int] = dataclasses.field(default_factory=list)
-    out_grad_norm: list[float | None] = dataclasses.field(default_factory=list)
+    stats: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0, len(MODULE_STATS),
+                                                                                   dtype=torch.float64))
+    out_grad_norm: list[float] = dataclasses.field(default_factory=list)     # NaN: no gradient reached it
     order: list[int] = dataclasses.field(default_factory=list)      # execution order of its first call
-    training: list[bool | None] = dataclasses.field(default_factory=list)
-    grad_enabled: list[bool | None] = dataclasses.field(default_factory=list)
+    training: list[bool] = dataclasses.field(default_factory=list)
+    grad_enabled: list[bool] = dataclasses.field(default_factory=list)
     hist: list[bytes] = dataclasses.field(default_factory=list)     # as stored (schema.encode_hist)
 
     def nonfinite_in_order(self) -> list[tuple[int, int]]:
         """(module id, NaN/Inf count) of the modules that produced non-finite values, in execution order."""
-        bad = sorted((o, m, n) for o, m, n in zip(self.order, self.module_ids, self.nonfinite, strict=True) if n)
+        counts = self.stats[:, _NONFINITE]
+        rows = counts.nonzero().flatten().tolist()
+        if not rows:
+            return []
+        bad = sorted((self.order[i], self.module_ids[i], int(counts[i])) for i in rows)
         return [(m, n) for _, m, n in bad]
 
 
@@ -74,13 +84,13 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     Column by column: every fetched call's statistics are laid end to end, each module picks its position,
     and each column is taken in one C-level pass (a model of 15,000 modules measures 15,000 per step)."""
     cols = ModuleColumns(step)
-    where, isnan = values.where, math.isnan
+    where = values.where
     # every device's columns end to end, then the aggregates of modules called more than once
     offsets, off = [], 0
     for c in values.columns:
         offsets.append(off)
         off += len(c.slots)
-    agg: list[tuple[float, float, float, float, float, float, float, bytes]] = []
+    agg: list[tuple[list[float], bytes]] = []
     positions: list[int] = []
     firsts: list[CallRecord] = []
     for mid, all_calls in rec.rows.items():
@@ -106,27 +116,31 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     if not positions:
         return cols
 
-    def column(name: str, extra: int) -> list[Any]:
-        whole: list[Any] = [v for c in values.columns for v in getattr(c, name)] if len(values.columns) != 1 \
-            else getattr(values.columns[0], name)
-        if agg:
-            whole = [*whole, *(a[extra] for a in agg)]
-        return list(map(whole.__getitem__, positions))
-
-    cols.mean, cols.std, cols.absmax = column("mean", 0), column("std", 1), column("absmax", 2)
-    cols.zero_frac = [None if isnan(z) else z for z in column("zero_frac", 3)]          # NaN: no sample
-    cols.dead_frac = [None if v < 0 else v for v in column("dead_frac", 4)]
-    cols.sat_frac = [None if v < 0 else v for v in column("sat_frac", 5)]
+    parts = [c.stats for c in values.columns]
+    hists: list[bytes] = [h for c in values.columns for h in c.hist] if len(values.columns) != 1 \
+        else values.columns[0].hist
+    if agg:
+        parts.append(torch.tensor([a[0] for a in agg], dtype=torch.float64))
+        hists = [*hists, *(a[1] for a in agg)]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    stats = whole.index_select(0, torch.tensor(positions, dtype=torch.int64))
     cols.numel = [f.numel for f in firsts]
-    cols.nonfinite = [n if isnan(v) else int(v) for v, n in zip(column("nonfinite", 6), cols.numel, strict=True)]
-    cols.hist = column("hist", 7)
+    counts = stats[:, _NONFINITE]
+    # a count not measured (NaN) says every value may be non-finite; dead and saturated fractions that do not
+    # apply (NOT_APPLICABLE) become NaN like the zero fraction without a sample
+    stats[:, _NONFINITE] = torch.where(torch.isnan(counts), torch.tensor(cols.numel, dtype=torch.float64),
+                                       counts.trunc())
+    fractions = stats[:, _DEAD:_SAT + 1]
+    stats[:, _DEAD:_SAT + 1] = torch.where(fractions < 0, math.nan, fractions)
+    cols.stats = stats
+    cols.hist = list(map(hists.__getitem__, positions))
     counted = rec.calls       # every module with a row was counted (capture)
     cols.calls = [counted.get(mid) or sum(1 for k in rec.rows[mid] if k.slot in where) for mid in cols.module_ids]
     cols.order = [f.order for f in firsts]
     cols.training = [f.training for f in firsts]
     cols.grad_enabled = [f.grad_enabled for f in firsts]
-    get = _out_grad_norms(rec, values.plain).get
-    cols.out_grad_norm = [None if not (g := get(mid)) else g[0] if len(g) == 1 else sum(g) / len(g)
+    get, nan = _out_grad_norms(rec, values.plain).get, math.nan
+    cols.out_grad_norm = [nan if not (g := get(mid)) else g[0] if len(g) == 1 else sum(g) / len(g)
                           for mid in cols.module_ids]
     return cols
 
@@ -147,20 +161,20 @@ def _out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, list
     return norms
 
 
-def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[float, float, float, float, float, float,
-                                                                  float, bytes]:
-    """A module called several times: (mean, std, abs-max, zero, dead, saturated, non-finite, hist)."""
+def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[list[float], bytes]:
+    """A module called several times: its row of the calls' stats (measure.CALL_FIELDS) and its histogram."""
     where = [values.call(k.slot) for k in calls]
-    n = len(where)
-    mean = sum(cc.mean[j] for cc, j in where) / n
-    std = sum(cc.std[j] for cc, j in where) / n
-    absmax = max(cc.absmax[j] for cc, j in where)
-    dead, sat = where[-1][0].dead_frac[where[-1][1]], sum(cc.sat_frac[j] for cc, j in where) / n
-    nonfinite = sum(cc.nonfinite[j] for cc, j in where)
+    rows = [cc.stats[j].tolist() for cc, j in where]
+    n = len(rows)
+    mean = sum(r[0] for r in rows) / n
+    std = sum(r[1] for r in rows) / n
+    absmax = max(r[2] for r in rows)
+    dead, sat = rows[-1][4], sum(r[5] for r in rows) / n
+    nonfinite = sum(r[6] for r in rows)
     counts = [sum(col) for col in zip(*(decode_hist(cc.hist[j]) or [] for cc, j in where), strict=True)]
     total = sum(counts)
     zero = counts[ZERO_BIN] / total if total else math.nan
-    return mean, std, absmax, zero, dead, sat, nonfinite, encode_hist(counts)
+    return [mean, std, absmax, zero, dead, sat, nonfinite], encode_hist(counts)
 
 
 def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Mapping[int, float]) -> TensorColumns:
@@ -199,25 +213,35 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
     return cols
 
 
-def _finite(x: float | None) -> float | None:
-    return x if x is None or math.isfinite(x) else None
+def floats(values: Sequence[float | int | bool | None]) -> torch.Tensor:
+    """A column as float64, NaN for None (the common column has no None: converted in one call)."""
+    try:
+        return torch.tensor(values, dtype=torch.float64)
+    except TypeError:
+        return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
 
 
 def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> list[tuple[object, ...]]:
-    """Rows of ``module_stats`` (records.MSTAT_COLS), non-finite floats as NULL."""
-    return [(rank, mid, step, calls, numel, _finite(mean), _finite(std), _finite(absmax), zero, dead, sat, nonfinite,
-             _finite(og), None if tr is None else int(tr), None if ge is None else int(ge), hist)
-            for mid, calls, numel, mean, std, absmax, zero, dead, sat, nonfinite, og, tr, ge, hist in zip(
-                c.module_ids, c.calls, c.numel, c.mean, c.std, c.absmax, c.zero_frac, c.dead_frac, c.sat_frac,
-                c.nonfinite, c.out_grad_norm, c.training, c.grad_enabled, c.hist, strict=True)]
+    """Rows of ``module_stats`` (records.MSTAT_COLS), non-finite floats as NULL: as NaN, which SQLite stores as
+    NULL (column by column, not a call per value: a model of 15,000 modules has 60,000 of them per step)."""
+    n = len(c.module_ids)
+    floats = torch.cat([c.stats[:, :_NONFINITE], torch.tensor(c.out_grad_norm, dtype=torch.float64).reshape(n, 1)], 1)
+    mean, std, absmax, zero, dead, sat, og = torch.where(torch.isfinite(floats), floats, math.nan).T.tolist()
+    nonfinite = c.stats[:, _NONFINITE].to(torch.int64).tolist()
+    return list(zip(itertools.repeat(rank, n), c.module_ids, itertools.repeat(step, n), c.calls, c.numel, mean, std,
+                    absmax, zero, dead, sat, nonfinite, og, map(int, c.training), map(int, c.grad_enabled), c.hist,
+                    strict=True))
 
 
 def param_stat_rows(rank: int, step: int, c: TensorColumns) -> list[tuple[object, ...]]:
-    """Rows of ``param_stats`` (records.PSTAT_COLS), non-finite floats as NULL."""
-    return [(rank, tid, step, _finite(g), _finite(d), _finite(u),
-             _finite(u / d) if u is not None and d else None, _finite(lg), _finite(fp))
-            for tid, g, d, u, lg, fp in zip(c.tensor_ids, c.grad_norm, c.data_norm, c.update_norm,
-                                            c.local_grad_norm, c.fingerprint, strict=True)]
+    """Rows of ``param_stats`` (records.PSTAT_COLS), non-finite floats as NULL (as NaN, which SQLite stores as
+    NULL; the update ratio is NULL too where the data norm is 0 or missing)."""
+    n = len(c.tensor_ids)
+    grad, data, update = floats(c.grad_norm), floats(c.data_norm), floats(c.update_norm)
+    cols = torch.stack([grad, data, update, update / data, floats(c.local_grad_norm), floats(c.fingerprint)])
+    g, d, u, ratio, lg, fp = torch.where(torch.isfinite(cols), cols, math.nan).tolist()
+    return list(zip(itertools.repeat(rank, n), c.tensor_ids, itertools.repeat(step, n), g, d, u, ratio, lg, fp,
+                    strict=True))
 
 
 def moved_changes(c: TensorColumns, known: Mapping[int, int]) -> dict[int, int]:

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from . import findings
-from .decode import ModuleColumns, TensorColumns
+from .decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
 from .findings import Finding
 
 DEAD_LAYER = 0.90
@@ -65,7 +65,16 @@ class ModelView(Protocol):
 
 
 def _column(values: Sequence[float | int | bool | None]) -> torch.Tensor:
-    return torch.tensor([_NAN if v is None else float(v) for v in values], dtype=torch.float32)
+    return floats(values).to(torch.float32)
+
+
+def _rows(ids: list[int], rows: list[int], columns: dict[str, Sequence[float | int | bool | None]]
+          ) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Rows ``rows`` of some columns of values per tensor, as float32 columns (NaN for None), and their ids."""
+    if len(rows) == len(ids):           # every row: the common case, without picking
+        return ids, {name: _column(col) for name, col in columns.items()}
+    picked = torch.tensor(rows, dtype=torch.int64)
+    return [ids[i] for i in rows], {name: _column(col).index_select(0, picked) for name, col in columns.items()}
 
 
 class _Window:
@@ -115,20 +124,19 @@ class DynamicDetectors:
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
     def observe(self, m: ModuleColumns, t: TensorColumns) -> None:
+        stats = dict(zip(MODULE_STATS, m.stats.to(torch.float32).T, strict=True))
         self.modules.observe(m.module_ids, {
-            "std": _column(m.std), "mean": _column(m.mean), "dead": _column(m.dead_frac),
-            "sat": _column(m.sat_frac), "nonfinite": _column(m.nonfinite), "numel": _column(m.numel),
-            "zero": _column(m.zero_frac)})
+            "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
+            "nonfinite": stats["nonfinite"], "numel": torch.tensor(m.numel, dtype=torch.float32),
+            "zero": stats["zero_frac"]})
         upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
         if upd:
-            self.updates.observe([t.tensor_ids[i] for i in upd], {
-                "step": _column([t.step] * len(upd)), "grad": _column([t.grad_norm[i] for i in upd]),
-                "data": _column([t.data_norm[i] for i in upd]), "update": _column([t.update_norm[i] for i in upd]),
-                "arrived": _column([t.arrived[i] for i in upd]), "lr": _column([t.lr[i] for i in upd])})
+            self.updates.observe(*_rows(t.tensor_ids, upd, {
+                "step": [t.step] * len(t.tensor_ids), "grad": t.grad_norm, "data": t.data_norm,
+                "update": t.update_norm, "arrived": t.arrived, "lr": t.lr}))
         arr = [i for i, a in enumerate(t.arrived) if a]
         if arr:
-            self.arrivals.observe([t.tensor_ids[i] for i in arr], {
-                "stale": _column([t.stale_grad_norm[i] for i in arr]), "grad": _column([t.grad_norm[i] for i in arr])})
+            self.arrivals.observe(*_rows(t.tensor_ids, arr, {"stale": t.stale_grad_norm, "grad": t.grad_norm}))
 
     def evaluate(self, view: ModelView, step: int, optimizer_stepped: bool) -> list[Finding]:
         """The findings about states (dead units, saturation, tensors that do not update or accumulate

@@ -101,12 +101,12 @@ class UnitActivity:
 
     def update(self, key: Any, active: torch.Tensor, sample_index: int) -> float:
         """Fold one sample's activity mask (bool, host) in; returns the dead fraction."""
-        return self.update_many([(key, active.numel())], active, sample_index)[0]
+        return float(self.update_many([(key, active.numel())], active, sample_index)[0])
 
-    def update_many(self, keys: list[tuple[Any, int]], active: torch.Tensor, sample_index: int) -> list[float]:
+    def update_many(self, keys: list[tuple[Any, int]], active: torch.Tensor, sample_index: int) -> torch.Tensor:
         """Fold in the activity masks of several calls at once: ``active`` is their masks back to back, in the
         order of ``keys`` ((module, units) of each call; a module called twice folds both calls). Returns
-        the dead fraction of each call's key, in the order of ``keys``."""
+        the dead fraction of each call's key, in the order of ``keys`` (float64)."""
         plan = self._plans.get(tuple(keys))
         if plan is None:
             grow = 0
@@ -128,7 +128,7 @@ class UnitActivity:
         self._last[plan.positions[active]] = sample_index
         dead = (self._last[plan.span] < max(0, sample_index - self.window + 1)).to(torch.float64)
         counts = torch.zeros(len(plan.units), dtype=torch.float64).index_add_(0, plan.own, dead)
-        return (counts / plan.units)[plan.of_key].tolist()
+        return (counts / plan.units)[plan.of_key]
 
 
 class _ActivityPlan(NamedTuple):
@@ -470,26 +470,19 @@ def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
     return plan
 
 
-@dataclasses.dataclass
-class CallColumns:
-    """Every call's statistics of one fetch, column by column (index: the call's position in ``slots``);
-    ``hist`` holds each call's histogram as stored (schema.encode_hist)."""
+class CallColumns(NamedTuple):
+    """Every call's statistics of one fetch (index: the call's position in ``slots``): ``stats`` holds one
+    float64 row per call, CALL_FIELDS in order (NaN zero fraction: no sample; NOT_APPLICABLE dead or saturated
+    fraction), kept as a tensor so that decoding picks and cleans whole columns at once; ``hist`` holds each
+    call's histogram as stored (schema.encode_hist)."""
 
     slots: list[int]
-    mean: list[float]
-    std: list[float]
-    absmax: list[float]
-    zero_frac: list[float]
-    dead_frac: list[float]
-    sat_frac: list[float]
-    nonfinite: list[float]
+    stats: torch.Tensor
     hist: list[bytes]
 
     def row(self, i: int) -> list[float]:
         """Call ``i`` as a CALL_WIDTH row (CALL_FIELDS, then the HIST_BINS counts)."""
-        counts = decode_hist(self.hist[i]) or []
-        return [self.mean[i], self.std[i], self.absmax[i], self.zero_frac[i], self.dead_frac[i], self.sat_frac[i],
-                self.nonfinite[i], *counts]
+        return [*self.stats[i].tolist(), *(decode_hist(self.hist[i]) or [])]
 
 
 def _pick(host: torch.Tensor, positions: torch.Tensor, missing: float) -> torch.Tensor:
@@ -537,7 +530,7 @@ def _call_columns(host: torch.Tensor, calls: CallSlots,
                             plan.known_nonfinite)
     sat = _pick(host, plan.head_sat, NOT_APPLICABLE)
     absmax = torch.maximum(hi, -lo)
-    dead = [NOT_APPLICABLE] * n_calls
+    dead = torch.full((n_calls,), NOT_APPLICABLE, dtype=torch.float64)
     if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
         keys_of, layouts = calls.keys, calls.layouts
@@ -546,10 +539,9 @@ def _call_columns(host: torch.Tensor, calls: CallSlots,
         if len(fractions) == n_calls:            # every call tracked: the common case
             dead = fractions
         else:
-            for c, fraction in zip(plan.tracked_calls, fractions, strict=True):
-                dead[c] = fraction
-    return CallColumns(calls.slots, mean.tolist(), std.tolist(), absmax.tolist(),
-                       zero.tolist(), dead, sat.tolist(), nonfinite.tolist(), hist_bytes)
+            dead[plan.tracked_calls] = fractions
+    stats = torch.stack([mean, std, absmax, zero, dead, sat, nonfinite], 1)     # CALL_FIELDS, in order
+    return CallColumns(calls.slots, stats, hist_bytes)
 
 
 def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: int,
