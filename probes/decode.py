@@ -225,8 +225,8 @@ def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> list[tuple[objec
     """Rows of ``module_stats`` (records.MSTAT_COLS), non-finite floats as NULL: as NaN, which SQLite stores as
     NULL (column by column, not a call per value: a model of 15,000 modules has 60,000 of them per step)."""
     n = len(c.module_ids)
-    measured = torch.cat([c.stats[:, :_NONFINITE], torch.tensor(c.out_grad_norm, dtype=torch.float64).reshape(n, 1)],
-                         1)
+    out_grad_norms = torch.tensor(c.out_grad_norm, dtype=torch.float64).reshape(n, 1)
+    measured = torch.cat([c.stats[:, :_NONFINITE], out_grad_norms], 1)
     mean, std, absmax, zero, dead, sat, og = torch.where(torch.isfinite(measured), measured, math.nan).T.tolist()
     nonfinite = c.stats[:, _NONFINITE].to(torch.int64).tolist()
     return list(zip(itertools.repeat(rank, n), c.module_ids, itertools.repeat(step, n), c.calls, c.numel, mean, std,
