@@ -130,5 +130,8 @@ def test_probe_time_is_counted_once_and_lies_within_the_step(run_dir):
     assert len(sampled) == 8 and len(plain) == 8
     assert all(0 < probe <= wall for _, wall, probe, _ in sampled)
     # an unsampled step runs only the optimizer hooks and the step boundary: a small share of the
-    # sampled steps' probe time, not their finishing work carried over
-    assert max(p for _, _, p, _ in plain) < min(p for _, _, p, _ in sampled) / 2
+    # sampled steps' probe time, not their finishing work carried over (which would be in every one of
+    # them). The median, not the maximum: a collection of the heap that the sampled step paused may run
+    # inside the next step's optimizer hook, and in a long test session it alone can take milliseconds
+    plain_ms = sorted(p for _, _, p, _ in plain)
+    assert plain_ms[len(plain_ms) // 2] < min(p for _, _, p, _ in sampled) / 2
