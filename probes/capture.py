@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import time
 import warnings
 import weakref
@@ -35,6 +36,7 @@ __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "PerTensor", "StepCapture", "Step
 
 _HAS_STANCE = hasattr(torch, "compiler") and hasattr(torch.compiler, "set_stance")   # torch >= 2.6
 MAX_CALLS_MEASURED = 4          # calls of one module measured per step (all are counted)
+_GRAD = operator.attrgetter("grad")
 _PLAIN_LEAVES = (torch.Tensor, nn.Parameter)     # no __torch_function__ of their own: register_hook's fast case
 GradHookDict = dict[int, Callable[[torch.Tensor], Any]]     # a tensor's _backward_hooks
 _GRAD_HOOK_KEY = -0x6D73       # our key in a tensor's hook dict (torch's handle ids count up from 0: no clash)
@@ -152,8 +154,11 @@ class StepRecord:
     out_grads: dict[int, list[TensorSlot]] = dataclasses.field(default_factory=dict)  # module id -> grad norms
     retained_norms: RetainedNorms | None = None   # the norms of the gradients autograd kept, after out_grads'
     small_grads: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)  # (copy, modules)
-    # small outputs whose gradient autograd keeps: (output, the modules sharing it, its shape)
-    retained: list[tuple[torch.Tensor, list[int], tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    # small outputs whose gradient autograd keeps, the modules sharing each and its shape (one list per field: see
+    # StepMeasurements' small outputs)
+    retained: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    retained_sharing: list[list[int]] = dataclasses.field(default_factory=list)
+    retained_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     order: int = 0
     stack: list[int] = dataclasses.field(default_factory=list)                  # modules in a call now
     root_training: bool | None = None
@@ -514,12 +519,11 @@ class StepCapture:
                 small = self._small_layouts[(mid, shape, dtype, device)] = self._layouts.get(
                     shape, dtype, device, self._unit_dim(mid, module, len(shape)), index.saturation.get(mid))
             if self._learning:
-                kept = batch.keep(x, small, copy=True, watch=True, version=key[1])
+                slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=True, version=key[1]), mid)
             elif mid in self._copy_outputs:
-                kept = batch.keep(x, small, copy=True, watch=False, version=key[1])
+                slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=False, version=key[1]), mid)
             else:
-                kept = batch.SmallCall(x, small, x, key[1])      # batch.keep without a copy, inlined
-            slot = rec.measurements.add_kept(kept, mid)
+                slot = rec.measurements.add_small(x, small, x, key[1], mid)      # batch.keep without a copy
         else:
             udim = self._unit_dim(mid, module, x.dim())
             chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
@@ -534,7 +538,9 @@ class StepCapture:
                 # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
                 # one); read, normed with the others and dropped at the end of the step
                 x.retain_grad()
-                rec.retained.append((x, targets, key[3]))
+                rec.retained.append(x)
+                rec.retained_sharing.append(targets)
+                rec.retained_shapes.append(key[3])
             else:
                 x.register_hook(self._output_grad_hook(rec, targets))
 
@@ -641,14 +647,21 @@ class StepCapture:
         grads = [g for g, _ in small]
         shapes: list[tuple[int, ...]] = [g.shape for g in grads]
         kept: list[list[int]] = []
-        for x, sharing, shape in rec.retained:
-            grad = x.grad
-            if grad is not None:
+        outputs = rec.retained
+        if outputs:
+            taken = list(map(_GRAD, outputs))
+            for x in outputs:
                 x.grad = None                   # what the user holds is left as it was
-                grads.append(grad)
-                kept.append(sharing)
-                shapes.append(shape)            # the output's, read by the hook (a torch.Size costs ~1 us)
-        rec.retained.clear()
+            arrived = [i for i, g in enumerate(taken) if g is not None]
+            if len(arrived) == len(taken):
+                grads += taken
+                kept = rec.retained_sharing
+                shapes += rec.retained_shapes   # the outputs', read by the hook (a torch.Size costs ~1 us)
+            else:
+                grads += [taken[i] for i in arrived]
+                kept = [rec.retained_sharing[i] for i in arrived]
+                shapes += [rec.retained_shapes[i] for i in arrived]
+            rec.retained, rec.retained_sharing, rec.retained_shapes = [], [], []
         if grads:
             slot = rec.measurements.add(self._output_grad_norms(grads, shapes))
             if hooked:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -23,6 +25,10 @@ Values = Fetched       # a sampled step's host values (probes.measure.PendingFet
 
 
 MODULE_STATS = CALL_FIELDS      # the columns of ModuleColumns.stats: each call's, aggregated per module
+_FIRST = operator.itemgetter(0)
+_SLOT, _ORDER = operator.attrgetter("slot"), operator.attrgetter("order")
+_TRAINING, _GRAD_ENABLED = operator.attrgetter("training"), operator.attrgetter("grad_enabled")
+_NUMEL = operator.attrgetter("numel")
 _DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("dead_frac", "sat_frac", "nonfinite"))
 
 
@@ -84,8 +90,61 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     Column by column: every fetched call's statistics are laid end to end, each module picks its position,
     and each column is taken in one C-level pass (a model of 15,000 modules measures 15,000 per step)."""
     cols = ModuleColumns(step)
+    single = _single_calls(rec, values)
+    if single is not None:               # the common case, in C-level passes
+        positions, firsts = single
+        cols.module_ids = list(rec.rows)
+        agg: list[tuple[list[float], bytes]] = []
+    else:
+        positions, firsts, cols.module_ids, agg = _any_calls(rec, values)
+    if not positions:
+        return cols
+
+    parts = [c.stats for c in values.columns]
+    hists: list[bytes] = [h for c in values.columns for h in c.hist] if len(values.columns) != 1 \
+        else values.columns[0].hist
+    if agg:
+        parts.append(torch.tensor([a[0] for a in agg], dtype=torch.float64))
+        hists = [*hists, *(a[1] for a in agg)]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    stats = whole.index_select(0, torch.tensor(positions, dtype=torch.int64))
+    cols.numel = list(map(_NUMEL, firsts))
+    counts = stats[:, _NONFINITE]
+    # a count not measured (NaN) says every value may be non-finite; dead and saturated fractions that do not
+    # apply (NOT_APPLICABLE) become NaN like the zero fraction without a sample
+    stats[:, _NONFINITE] = torch.where(torch.isnan(counts), torch.tensor(cols.numel, dtype=torch.float64),
+                                       counts.trunc())
+    fractions = stats[:, _DEAD:_SAT + 1]
+    stats[:, _DEAD:_SAT + 1] = torch.where(fractions < 0, math.nan, fractions)
+    cols.stats = stats
+    cols.hist = list(map(hists.__getitem__, positions))
+    counted = rec.calls       # every module with a row was counted (capture)
+    found: list[int | None] = list(map(counted.get, cols.module_ids))
+    if None in found or 0 in found:
+        where = values.where
+        cols.calls = [counted.get(mid) or sum(1 for k in rec.rows[mid] if k.slot in where) for mid in cols.module_ids]
+    else:
+        cols.calls = cast(list[int], found)
+    cols.order = list(map(_ORDER, firsts))
+    cols.training = list(map(_TRAINING, firsts))
+    cols.grad_enabled = list(map(_GRAD_ENABLED, firsts))
+    nan = math.nan
+    one_each = _single_out_grad_norms(rec, values.plain)
+    if one_each is not None:
+        cols.out_grad_norm = list(map(one_each.get, cols.module_ids, itertools.repeat(nan)))
+    else:
+        get = _out_grad_norms(rec, values.plain).get
+        cols.out_grad_norm = [nan if not (g := get(mid)) else g[0] if len(g) == 1 else sum(g) / len(g)
+                              for mid in cols.module_ids]
+    return cols
+
+
+def _any_calls(rec: StepRecord, values: Fetched) -> tuple[list[int], list[CallRecord], list[int],
+                                                          list[tuple[list[float], bytes]]]:
+    """(positions, first calls, module ids, aggregates) of the modules measured in the step, whatever the number
+    of their calls and devices: every device's columns end to end, then the aggregates of modules called more
+    than once."""
     where = values.where
-    # every device's columns end to end, then the aggregates of modules called more than once
     offsets, off = [], 0
     for c in values.columns:
         offsets.append(off)
@@ -93,6 +152,7 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     agg: list[tuple[list[float], bytes]] = []
     positions: list[int] = []
     firsts: list[CallRecord] = []
+    module_ids: list[int] = []
     for mid, all_calls in rec.rows.items():
         if len(all_calls) == 1:
             first = all_calls[0]
@@ -111,38 +171,41 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
             else:
                 agg.append(_aggregate(values, calls))
                 positions.append(off + len(agg) - 1)
-        cols.module_ids.append(mid)
+        module_ids.append(mid)
         firsts.append(first)
-    if not positions:
-        return cols
+    return positions, firsts, module_ids, agg
 
-    parts = [c.stats for c in values.columns]
-    hists: list[bytes] = [h for c in values.columns for h in c.hist] if len(values.columns) != 1 \
-        else values.columns[0].hist
-    if agg:
-        parts.append(torch.tensor([a[0] for a in agg], dtype=torch.float64))
-        hists = [*hists, *(a[1] for a in agg)]
-    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-    stats = whole.index_select(0, torch.tensor(positions, dtype=torch.int64))
-    cols.numel = [f.numel for f in firsts]
-    counts = stats[:, _NONFINITE]
-    # a count not measured (NaN) says every value may be non-finite; dead and saturated fractions that do not
-    # apply (NOT_APPLICABLE) become NaN like the zero fraction without a sample
-    stats[:, _NONFINITE] = torch.where(torch.isnan(counts), torch.tensor(cols.numel, dtype=torch.float64),
-                                       counts.trunc())
-    fractions = stats[:, _DEAD:_SAT + 1]
-    stats[:, _DEAD:_SAT + 1] = torch.where(fractions < 0, math.nan, fractions)
-    cols.stats = stats
-    cols.hist = list(map(hists.__getitem__, positions))
-    counted = rec.calls       # every module with a row was counted (capture)
-    cols.calls = [counted.get(mid) or sum(1 for k in rec.rows[mid] if k.slot in where) for mid in cols.module_ids]
-    cols.order = [f.order for f in firsts]
-    cols.training = [f.training for f in firsts]
-    cols.grad_enabled = [f.grad_enabled for f in firsts]
-    get, nan = _out_grad_norms(rec, values.plain).get, math.nan
-    cols.out_grad_norm = [nan if not (g := get(mid)) else g[0] if len(g) == 1 else sum(g) / len(g)
-                          for mid in cols.module_ids]
-    return cols
+
+def _single_calls(rec: StepRecord, values: Fetched) -> tuple[list[int], list[CallRecord]] | None:
+    """(positions, first calls) of the modules in ``rec.rows`` order when every module was called once, on one
+    device, and every call was read; else None (the general path)."""
+    calls = list(rec.rows.values())
+    if len(values.columns) != 1 or list(map(len, calls)).count(1) != len(calls):
+        return None
+    firsts: list[CallRecord] = list(map(_FIRST, calls))
+    found: list[int | None] = list(map(values.row_of().get, map(_SLOT, firsts)))
+    if None in found:
+        return None                      # an output changed in place before it could be read
+    return cast(list[int], found), firsts
+
+
+def _single_out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, float] | None:
+    """Module id -> the norm of its output's gradient when every norm came from autograd's kept gradients, one
+    output per module (the common case of small outputs); else None (the general path, :func:`_out_grad_norms`)."""
+    if rec.out_grads:
+        return None
+    retained = rec.retained_norms
+    if retained is None:
+        return {}
+    sharing = retained.sharing
+    norms_of = plain[retained.slot][retained.start:]
+    if len(norms_of) != len(sharing):
+        return None
+    # each output's norm for every module sharing it (a container returning its last child's output)
+    mids = list(itertools.chain.from_iterable(sharing))
+    norms = dict(zip(mids, itertools.chain.from_iterable(map(itertools.repeat, norms_of, map(len, sharing))),
+                     strict=True))
+    return norms if len(norms) == len(mids) else None    # a module with several outputs: averaged (general path)
 
 
 def _out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, list[float]]:

@@ -8,6 +8,8 @@ hands back store operations. No hooks, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Sequence
 
 from . import decode, records
@@ -65,7 +67,7 @@ class Evaluator:
         """The findings after a sampled step."""
         step, rec = decoded.step, decoded.record
         self.events.observe_sample(SampledEvents(
-            step=step, modes=rec.modes, called=frozenset(m for m, n in rec.calls.items() if n),
+            step=step, modes=rec.modes, called=_called(rec),
             arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
@@ -104,13 +106,30 @@ class Evaluator:
         return self.publish(step, index, runtime, sampled=False, events=book) if book.changed else []
 
 
+def _called(rec: StepRecord) -> frozenset[int]:
+    """The modules called in the step (every module counted was, in practice: then one C-level pass)."""
+    counts = rec.calls
+    return frozenset(counts) if 0 not in counts.values() else frozenset(m for m, n in counts.items() if n)
+
+
 def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidate]:
     """Tensors that got a gradient in a step in which none of their modules was called through __call__."""
-    if not rec.calls:
+    calls = rec.calls
+    if not calls:
         return []
+    arrived = sorted(rec.arrived)
+    owners_of = list(map(index.owners.get, arrived, itertools.repeat(_NOBODY)))
+    # in one C-level pass, whether each tensor's first owner was called: then it is no candidate (the common case)
+    first_called = list(map(calls.get, map(_FIRST, owners_of)))
     out = []
-    for tid in sorted(rec.arrived):
-        owners = index.owners.get(tid, ())
-        if owners and not any(rec.calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
-            out.append(BypassCandidate(tid, owners))
+    for i in [i for i, n in enumerate(first_called) if not n]:
+        owners = owners_of[i]
+        if owners is _NOBODY or not owners:
+            continue
+        if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
+            out.append(BypassCandidate(arrived[i], owners))
     return out
+
+
+_NOBODY: tuple[int, ...] = (-1,)      # the owners of a tensor the index does not know (no module has id -1)
+_FIRST = operator.itemgetter(0)

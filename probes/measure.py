@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
+import operator
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -93,11 +95,14 @@ class UnitActivity:
         self._offsets: dict[tuple[Any, int], int] = {}       # (key, units) -> first position in _last
         self._last = torch.empty(0, dtype=torch.int64)
         self._plans: dict[tuple[tuple[Any, int], ...], _ActivityPlan] = {}
+        # the last fetch's arrangement (its call plan, held, and its calls' keys) and the activity plan it gave
+        self._recent: tuple[object, list[Any], _ActivityPlan] | None = None
 
     def clear(self) -> None:
         self._offsets.clear()
         self._last = torch.empty(0, dtype=torch.int64)
         self._plans.clear()
+        self._recent = None
 
     def update(self, key: Any, active: torch.Tensor, sample_index: int) -> float:
         """Fold one sample's activity mask (bool, host) in; returns the dead fraction."""
@@ -107,6 +112,23 @@ class UnitActivity:
         """Fold in the activity masks of several calls at once: ``active`` is their masks back to back, in the
         order of ``keys`` ((module, units) of each call; a module called twice folds both calls). Returns
         the dead fraction of each call's key, in the order of ``keys`` (float64)."""
+        return self._fold(self._plan(keys), active, sample_index)
+
+    def update_calls(self, arrangement: object, call_keys: list[Any], make_keys: Callable[[], list[tuple[Any, int]]],
+                     active: torch.Tensor, sample_index: int) -> torch.Tensor:
+        """:meth:`update_many` for the calls of one fetch: ``make_keys()`` gives the keys, which depend only on the
+        calls' ``arrangement`` (an object standing for their layouts, compared by identity) and ``call_keys``. While
+        both repeat (a model calling its modules the same way every sampled step), the last plan is used as it is:
+        no key is made or hashed (15,000 of them per step on a model of 15,000 modules)."""
+        recent = self._recent
+        if recent is not None and recent[0] is arrangement and recent[1] == call_keys:
+            plan = recent[2]
+        else:
+            plan = self._plan(make_keys())
+            self._recent = (arrangement, list(call_keys), plan)
+        return self._fold(plan, active, sample_index)
+
+    def _plan(self, keys: list[tuple[Any, int]]) -> _ActivityPlan:
         plan = self._plans.get(tuple(keys))
         if plan is None:
             grow = 0
@@ -125,6 +147,9 @@ class UnitActivity:
                 self._plans.clear()
             plan = self._plans[tuple(keys)] = _ActivityPlan(positions, span, own, units,
                                                             torch.tensor([unique[k] for k in keys]))
+        return plan
+
+    def _fold(self, plan: _ActivityPlan, active: torch.Tensor, sample_index: int) -> torch.Tensor:
         self._last[plan.positions[active]] = sample_index
         dead = (self._last[plan.span] < max(0, sample_index - self.window + 1)).to(torch.float64)
         counts = torch.zeros(len(plan.units), dtype=torch.float64).index_add_(0, plan.own, dead)
@@ -153,7 +178,11 @@ class StepMeasurements:
         self._slots = 0                                     # slots given out so far
         self._vectors: list[tuple[int, torch.Tensor]] = []  # (slot, vector): the plain vectors and call chunks
         self._calls: dict[int, tuple[CallLayout, Any]] = {}
-        self._small: list[tuple[int, batch.SmallCall, Any]] = []     # reduced together at the end
+        # the small outputs, reduced together at the end, grouped by layout as they come (interned layouts: hashed
+        # by identity), one list per field rather than an object per call: at the end of a step of 15,000 calls,
+        # objects made among the training's own allocations lie scattered in memory, and reading them back cost
+        # 1-2 us a call in cache misses
+        self._small: dict[batch.SmallLayout, _SmallColumns] = {}
         self._layouts: batch.SmallLayouts | None = None     # add_small_call's (hooks bring their own layouts)
         self.changed_keys: set[Any] = set()     # after start_fetch: keys whose small outputs changed in place
 
@@ -182,9 +211,26 @@ class StepMeasurements:
 
     def add_kept(self, call: batch.SmallCall, key: Any = None) -> int:
         """:meth:`add_small_call` for a hook that keeps the output itself (:func:`probes.batch.keep`)."""
+        return self.add_small(call.values, call.layout, call.source, call.version, key)
+
+    def add_small(self, values: torch.Tensor, layout: batch.SmallLayout, source: torch.Tensor | None, version: int,
+                  key: Any = None) -> int:
+        """:meth:`add_kept` with the fields of a :class:`probes.batch.SmallCall` (no object made per call)."""
         slot = self._slots
         self._slots = slot + 1
-        self._small.append((slot, call, key))
+        columns = self._small.get(layout)
+        if columns is None:
+            columns = self._small[layout] = _SmallColumns([], [], [], [], [])
+        slots, kept, sources, versions, keys = columns
+        slots.append(slot)
+        kept.append(values)
+        if source is None:
+            sources.append(_UNWATCHED)
+            versions.append(_UNWATCHED_VERSION)
+        else:
+            sources.append(source)
+            versions.append(version)
+        keys.append(key)
         return slot
 
     def fetch(self, activity: UnitActivity | None = None, sample_index: int = 0) -> list[list[float]]:
@@ -200,19 +246,9 @@ class StepMeasurements:
         single: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, c in self._vectors:
             (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
-        by_layout: dict[batch.SmallLayout, list[tuple[int, batch.SmallCall, Any]]] = {}
-        self.changed_keys = set()
-        for item in self._small:
-            call = item[1]
-            source = call.source
-            if source is not None and source._version != call.version:      # changed in place after its hook
-                self.changed_keys.add(item[2])
-                if call.values is source:
-                    continue                 # lost: not what the module returned, no row this step
-            by_layout.setdefault(call.layout, []).append(item)    # interned layouts: hashed by identity
-        batches: dict[torch.device, list[list[tuple[int, batch.SmallCall, Any]]]] = {}
-        for small, items in by_layout.items():
-            batches.setdefault(small.device, []).append(items)
+        batches: dict[torch.device, list[_SmallGroup]] = {}
+        for kept in self._small_groups():
+            batches.setdefault(kept.layout.device, []).append(kept)
         groups = []
         for device in dict.fromkeys([*plain, *single, *batches]):
             parts: list[torch.Tensor] = []
@@ -231,17 +267,17 @@ class StepMeasurements:
             by_shape = batches.get(device)
             if by_shape:
                 with torch.no_grad():        # kept outputs may require grad: the batch records no graph
-                    reduced = batch.reduce_calls([[c.values for _, c, _ in items] for items in by_shape],
-                                                 [items[0][1].layout for items in by_shape], device.type == "cpu")
+                    reduced = batch.reduce_calls([g.values for g in by_shape], [g.layout for g in by_shape],
+                                                 device.type == "cpu")
                 parts.append(reduced.chunk)
-                for items, group in zip(by_shape, reduced.groups, strict=True):
+                for small, group in zip(by_shape, reduced.groups, strict=True):
                     spec = group.spec
-                    n, start, width = len(items), pos + group.start, group.width
-                    calls.slots.extend([item[0] for item in items])
+                    n, start, width = len(small.slots), pos + group.start, group.width
+                    calls.slots.extend(small.slots)
                     calls.starts.extend(range(start, start + n * width, width))
                     calls.layouts.extend([CallLayout(spec.numel, spec.units, True, spec.track, spec.sample,
                                                      reduced.known_nonfinite, spec.sat)] * n)
-                    calls.keys.extend([item[2] for item in items])
+                    calls.keys.extend(small.keys)
                 pos += reduced.chunk.numel()
             parts = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in parts]
             dev = torch.cat(parts)
@@ -251,8 +287,59 @@ class StepMeasurements:
         self._slots = 0
         self._vectors.clear()
         self._calls.clear()
-        self._small.clear()
+        self._small = {}
         return PendingFetch(n, groups)
+
+    def _small_groups(self) -> list[_SmallGroup]:
+        """The small outputs grouped by layout (in order of first appearance, calls in order within a group),
+        without those changed in place after their hook and not copied; sets :attr:`changed_keys`."""
+        self.changed_keys = set()
+        groups: list[_SmallGroup] = []
+        for layout, columns in self._small.items():
+            slots, values, sources, versions, keys = columns
+            if list(map(_VERSION, sources)) != versions:    # one C-level pass; a difference is rare
+                lost: set[int] = set()
+                for i, (source, version) in enumerate(zip(sources, versions, strict=True)):
+                    if source._version != version:           # changed in place after its hook
+                        self.changed_keys.add(keys[i])
+                        if values[i] is source:
+                            lost.add(i)                      # not what the module returned: no row this step
+                if lost:
+                    idx = [i for i in range(len(slots)) if i not in lost]
+                    slots, values, keys = [slots[i] for i in idx], [values[i] for i in idx], [keys[i] for i in idx]
+            if slots:
+                groups.append(_SmallGroup(layout, slots, values, keys))
+        return groups
+
+
+class _SmallGroup(NamedTuple):
+    """The small outputs of one layout, in call order: reduced together by :func:`probes.batch.reduce_calls`."""
+
+    layout: batch.SmallLayout
+    slots: list[int]
+    values: list[torch.Tensor]
+    keys: list[Any]
+
+
+class _SmallColumns(NamedTuple):
+    """The small outputs of one layout as they come, one list per field."""
+
+    slots: list[int]
+    values: list[torch.Tensor]
+    sources: list[Any]           # the output itself while its version is watched, else _UNWATCHED
+    versions: list[int]          # its version counter at the hook
+    keys: list[Any]
+
+
+class _Unwatched:
+    """The source of a small output whose version is not checked: its version never differs."""
+
+    _version = -1
+
+
+_UNWATCHED = _Unwatched()
+_UNWATCHED_VERSION = _Unwatched._version
+_VERSION = operator.attrgetter("_version")
 
 
 class CallSlots(NamedTuple):
@@ -349,8 +436,19 @@ class Fetched:
     def __init__(self, plain: list[list[float]], calls: list[CallColumns]) -> None:
         self.plain = plain
         self.columns = calls
-        # slot -> (which columns, row): the calls measured (an output changed in place after its hook was not)
-        self.where = {slot: (c, i) for c, cols in enumerate(calls) for i, slot in enumerate(cols.slots)}
+        self._row_of: dict[int, int] | None = None
+
+    @functools.cached_property
+    def where(self) -> dict[int, tuple[int, int]]:
+        """Slot -> (which columns, row): the calls measured (an output changed in place after its hook was not)."""
+        return {slot: (c, i) for c, cols in enumerate(self.columns) for i, slot in enumerate(cols.slots)}
+
+    def row_of(self) -> dict[int, int]:
+        """Slot -> row of the first columns (the only ones of a step on one device), made in one C-level pass."""
+        if self._row_of is None:
+            slots = self.columns[0].slots if self.columns else []
+            self._row_of = dict(zip(slots, range(len(slots)), strict=True))
+        return self._row_of
 
     def __getitem__(self, slot: int) -> list[float]:
         return self.plain[slot]
@@ -534,8 +632,9 @@ def _call_columns(host: torch.Tensor, calls: CallSlots,
     if activity is not None and plan.tracked_keys is not None:
         active = (umax > 0) | (umin < 0)
         keys_of, layouts = calls.keys, calls.layouts
-        keys = [(keys_of[c], layouts[c].units) for c in plan.tracked_calls]
-        fractions = activity.update_many(keys, active[plan.tracked_units], sample_index)
+        fractions = activity.update_calls(
+            plan, keys_of, lambda: [(keys_of[c], layouts[c].units) for c in plan.tracked_calls],
+            active[plan.tracked_units], sample_index)
         if len(fractions) == n_calls:            # every call tracked: the common case
             dead = fractions
         else:

@@ -78,6 +78,25 @@ def test_dead_units_over_the_window():
     assert head["dead_frac"] == 0.5
 
 
+def test_dead_units_stay_with_their_module_when_the_call_order_changes():
+    """Two modules with outputs of one shape, called in the other order at the next sample: the arrangement of
+    the step's calls repeats (the plan made for it is reused), its modules do not, and each module's dead units
+    stay its own."""
+    activity = M.UnitActivity(window=8)
+    alive, dead = torch.ones(4, 3), torch.zeros(4, 3)
+    column = M.CALL_FIELDS.index("dead_frac")
+
+    def sample(calls: list[tuple[str, torch.Tensor]], index: int) -> dict[str, float]:
+        m = M.StepMeasurements()
+        slots = {key: m.add_small_call(x, -1, None, key) for key, x in calls}
+        rows = m.fetch(activity, index)
+        return {key: rows[slot][column] for key, slot in slots.items()}
+
+    assert sample([("a", alive), ("b", dead)], 0) == {"a": 0.0, "b": 1.0}
+    assert sample([("b", dead), ("a", alive)], 1) == {"a": 0.0, "b": 1.0}
+    assert sample([("a", dead), ("b", alive)], 2) == {"a": 0.0, "b": 0.0}     # a's activity is in its window
+
+
 def test_conv_units_are_channels():
     x = torch.randn(8, 6, 4, 4).relu()
     x[:, 1] = 0

@@ -60,6 +60,39 @@ def test_each_module_gets_the_gradient_of_its_own_output(tmp_path, rows):
         assert stored[key] == pytest.approx(norm, rel=1e-5), key
 
 
+class _SideBranch(nn.Module):
+    """A module whose small output is computed first and dropped: autograd keeps no gradient for it, while the
+    modules after it get theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.side = nn.Linear(64, 64)
+        self.body = _model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.side(x)
+        return self.body(x)
+
+
+def test_an_output_no_gradient_reaches_has_none_and_the_others_keep_their_own(tmp_path):
+    steps, rows = 3, 8
+    expected = _reference_norms(_SideBranch(), steps, rows)
+    model = _SideBranch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, opt, w, steps, lambda: (torch.randn(rows, 64, generator=g), torch.randint(0, 8, (rows,),
+                                                                                             generator=g)))
+    con = sqlite3.connect(w.store_path)
+    stored = {(path, step): norm for path, step, norm in con.execute(
+        "SELECT m.path, s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)")}
+    con.close()
+    assert {key: stored[key] for key in stored if key[0] == "side"} == {("side", s): None for s in range(steps)}
+    assert set(stored) - set(expected) == {("side", s) for s in range(steps)}
+    for key, norm in expected.items():
+        assert stored[key] == pytest.approx(norm, rel=1e-5), key
+
 
 class _Deep(nn.Module):
     """12 small blocks (their gradients' norms are stacked by shape) and a narrower head; ``depth`` blocks run."""

@@ -142,7 +142,7 @@ def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypat
     def boom(*a, **k):
         raise RuntimeError("injected failure")
     monkeypatch.setattr(measure, "call_chunk", boom)       # large outputs
-    monkeypatch.setattr(measure.StepMeasurements, "add_kept", boom)    # small outputs
+    monkeypatch.setattr(measure.StepMeasurements, "add_small", boom)    # small outputs (add_kept goes through it)
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
