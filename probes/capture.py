@@ -534,7 +534,8 @@ class StepCapture:
             # the modules sharing this output, bound to it now: once the output is freed, a later output
             # may get its key (address, id, version 0) while its gradient is still to come
             targets = rec.grad_targets[key] = [mid]
-            if numel <= batch.SMALL_OUTPUT and x.grad_fn is not None:
+            # not a leaf (it requires grad: so it has a grad_fn), asked without making grad_fn's Python object
+            if numel <= batch.SMALL_OUTPUT and not x.is_leaf:
                 # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
                 # one); read, normed with the others and dropped at the end of the step
                 x.retain_grad()

@@ -19,6 +19,7 @@ import torch
 
 from .capture import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
 from .measure import CALL_FIELDS, Fetched
+from .records import ColumnRows
 from .schema import ZERO_BIN, decode_hist, encode_hist
 
 Values = Fetched       # a sampled step's host values (probes.measure.PendingFetch.read)
@@ -284,7 +285,7 @@ def floats(values: Sequence[float | int | bool | None]) -> torch.Tensor:
         return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
 
 
-def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> list[tuple[object, ...]]:
+def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> ColumnRows:
     """Rows of ``module_stats`` (records.MSTAT_COLS), non-finite floats as NULL: as NaN, which SQLite stores as
     NULL (column by column, not a call per value: a model of 15,000 modules has 60,000 of them per step)."""
     n = len(c.module_ids)
@@ -292,20 +293,18 @@ def module_stat_rows(rank: int, step: int, c: ModuleColumns) -> list[tuple[objec
     measured = torch.cat([c.stats[:, :_NONFINITE], out_grad_norms], 1)
     mean, std, absmax, zero, dead, sat, og = torch.where(torch.isfinite(measured), measured, math.nan).T.tolist()
     nonfinite = c.stats[:, _NONFINITE].to(torch.int64).tolist()
-    return list(zip(itertools.repeat(rank, n), c.module_ids, itertools.repeat(step, n), c.calls, c.numel, mean, std,
-                    absmax, zero, dead, sat, nonfinite, og, map(int, c.training), map(int, c.grad_enabled), c.hist,
-                    strict=True))
+    return ColumnRows([[rank] * n, c.module_ids, [step] * n, c.calls, c.numel, mean, std, absmax, zero, dead, sat,
+                       nonfinite, og, list(map(int, c.training)), list(map(int, c.grad_enabled)), c.hist])
 
 
-def param_stat_rows(rank: int, step: int, c: TensorColumns) -> list[tuple[object, ...]]:
+def param_stat_rows(rank: int, step: int, c: TensorColumns) -> ColumnRows:
     """Rows of ``param_stats`` (records.PSTAT_COLS), non-finite floats as NULL (as NaN, which SQLite stores as
     NULL; the update ratio is NULL too where the data norm is 0 or missing)."""
     n = len(c.tensor_ids)
     grad, data, update = floats(c.grad_norm), floats(c.data_norm), floats(c.update_norm)
     cols = torch.stack([grad, data, update, update / data, floats(c.local_grad_norm), floats(c.fingerprint)])
     g, d, u, ratio, lg, fp = torch.where(torch.isfinite(cols), cols, math.nan).tolist()
-    return list(zip(itertools.repeat(rank, n), c.tensor_ids, itertools.repeat(step, n), g, d, u, ratio, lg, fp,
-                    strict=True))
+    return ColumnRows([[rank] * n, c.tensor_ids, [step] * n, g, d, u, ratio, lg, fp])
 
 
 def moved_changes(c: TensorColumns, known: Mapping[int, int]) -> dict[int, int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from .schema import EVENT_CODES, HIST_EDGES, SCHEMA_VERSION, TABLES
 
@@ -16,7 +16,36 @@ if TYPE_CHECKING:
     from .structure import ModuleNode, TensorNode
 
 Row = tuple[Any, ...]
-Op = tuple[str, list[Row]]          # one executemany: (sql, rows)
+Op = tuple[str, Sequence[Row]]      # one executemany: (sql, rows): a list of tuples, or ColumnRows
+
+
+class ColumnRows(Sequence[Row]):
+    """Rows kept as columns (one list per field, all of one length) until the store's writer thread binds them,
+    making each row as it writes it: a sampled step of a model of 15,000 modules then makes no 15,000 row tuples
+    in the training thread, nor leaves them to Python's collector there."""
+
+    def __init__(self, columns: Sequence[Sequence[Any]]) -> None:
+        lengths = sorted({len(c) for c in columns})
+        if len(lengths) > 1:
+            raise ValueError(f"columns of lengths {lengths}: expected columns of one length")
+        self.columns = columns
+        self._n = lengths[0] if lengths else 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[Row]:
+        return zip(*self.columns, strict=True)
+
+    @overload
+    def __getitem__(self, index: int) -> Row: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Row]: ...
+
+    def __getitem__(self, index: int | slice) -> Row | list[Row]:
+        if isinstance(index, slice):
+            return list(zip(*(c[index] for c in self.columns), strict=True))
+        return tuple(c[index] for c in self.columns)
 
 
 class TrackedFindingLike(Protocol):
@@ -119,11 +148,11 @@ def loss_op(rank: int, step: int, wall_time: float, loss: float | None) -> Op:
     return (sql, [(rank, step, wall_time, finite_or_none(loss))])
 
 
-def module_stats_op(rows: list[Row]) -> Op:
+def module_stats_op(rows: Sequence[Row]) -> Op:
     return (upsert_sql("module_stats", MSTAT_COLS, ("rank", "module_id", "step")), rows)
 
 
-def param_stats_op(rows: list[Row]) -> Op:
+def param_stats_op(rows: Sequence[Row]) -> Op:
     return (upsert_sql("param_stats", PSTAT_COLS, ("rank", "param_id", "step")), rows)
 
 

@@ -21,6 +21,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .records import Op
@@ -339,7 +340,7 @@ class StoreWriter:
             self.recoveries += 1
             self._report()
 
-    def _execute(self, conn: sqlite3.Connection, sql: str, rows: list[tuple[object, ...]]) -> None:
+    def _execute(self, conn: sqlite3.Connection, sql: str, rows: Sequence[tuple[object, ...]]) -> None:
         """executemany, with the rows of a large INSERT ROWS_PER_STATEMENT at a time. sqlite3 releases the GIL
         for each statement's step and takes it back to bind the next: a statement per row made thousands of
         GIL hand-overs per sample, each a wait for the training thread (a bare step of a 3,000-module model
@@ -350,9 +351,11 @@ class StoreWriter:
         if full >= k and sql.startswith("INSERT "):
             many = _multi_row(sql, k)
             if many is not None:
-                conn.executemany(many, (tuple(itertools.chain.from_iterable(rows[i:i + k]))
-                                        for i in range(0, full, k)))
-                rows = rows[full:]
+                # rows are read in order, once (a ColumnRows makes each row here, as it is bound)
+                it = iter(rows)
+                conn.executemany(many, (tuple(itertools.chain.from_iterable(itertools.islice(it, k)))
+                                        for _ in range(full // k)))
+                rows = list(it)
         if rows:
             conn.executemany(sql, rows)
 

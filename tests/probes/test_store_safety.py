@@ -236,10 +236,12 @@ def test_a_version_1_store_written_again_gets_the_version_2_columns(tmp_path, mo
 
 
 # ---------------------------------------------------------------------------------------- many rows
-def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_path):
+@pytest.mark.parametrize("as_columns", [False, True], ids=["tuples", "columns"])
+def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_path, as_columns):
     """The writer inserts large ops several rows per statement (fewer GIL hand-overs with the training
     thread); what it stores equals a statement per row: every row, the last duplicate of a key winning,
-    the rows left over after the last full statement, NULLs and BLOBs, and other statements untouched."""
+    the rows left over after the last full statement, NULLs and BLOBs, and other statements untouched.
+    Rows given as columns (records.ColumnRows, what a sampled step hands over) are stored alike."""
     from probes import records
     from probes.store import ROWS_PER_STATEMENT, StoreWriter
 
@@ -249,7 +251,8 @@ def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_pat
     rows[40] = (0, 3, 7, 2, 64, 9.5, 1.0, 0.3, 0.0, None, -1.0, 0, None, 0, 1, None)     # key of row 3 again
     sql = records.module_stats_op([])[0]
     writer = StoreWriter(tmp_path / "store.sqlite")
-    writer.submit([records.module_stats_op(rows)])
+    given = records.ColumnRows([list(c) for c in zip(*rows, strict=True)]) if as_columns else rows
+    writer.submit([records.module_stats_op(given)])
     writer.flush()
     writer.close()
     reference = sqlite3.connect(":memory:")
@@ -261,3 +264,14 @@ def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_pat
     written = sqlite3.connect(tmp_path / "store.sqlite").execute(query).fetchall()
     assert written == reference.execute(query).fetchall()
     assert len(written) == n - 1 and written[3][5] == 9.5
+
+
+def test_column_rows_are_the_rows_of_their_columns():
+    from probes.records import ColumnRows
+
+    rows = ColumnRows([[0, 0, 0], [1, 2, 3], ["a", None, b"x"]])
+    assert len(rows) == 3 and list(rows) == [(0, 1, "a"), (0, 2, None), (0, 3, b"x")] == list(rows)
+    assert rows[1] == (0, 2, None) and rows[-1] == (0, 3, b"x") and rows[1:] == [(0, 2, None), (0, 3, b"x")]
+    assert len(ColumnRows([])) == 0 and list(ColumnRows([[], []])) == []
+    with pytest.raises(ValueError, match=r"columns of lengths \[2, 3\]: expected columns of one length"):
+        ColumnRows([[1, 2, 3], [1, 2]])
