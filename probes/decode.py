@@ -282,6 +282,8 @@ def floats(values: Sequence[float | int | bool | None]) -> torch.Tensor:
     try:
         return torch.tensor(values, dtype=torch.float64)
     except TypeError:
+        if values.count(None) == len(values):      # a column no value was measured for (stale or local grads)
+            return torch.full((len(values),), math.nan, dtype=torch.float64)
         return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
 
 

@@ -337,3 +337,13 @@ def test_stored_zero_fraction_is_the_share_of_zeros_in_each_output(tmp_path, row
     con.close()
     assert expected == [0.75] * 3
     assert stored == pytest.approx(expected)
+
+
+def test_a_column_as_floats_with_none_as_nan():
+    from probes.decode import floats
+
+    assert floats([1, 2.5, True]).tolist() == [1.0, 2.5, 1.0]
+    mixed, empty_column = floats([None, 2.0]), floats([None, None, None])
+    assert math.isnan(mixed[0]) and mixed[1] == 2.0 and mixed.dtype == torch.float64
+    assert empty_column.shape == (3,) and torch.isnan(empty_column).all() and empty_column.dtype == torch.float64
+    assert floats([]).numel() == 0
