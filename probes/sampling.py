@@ -54,6 +54,13 @@ class SamplingPolicy:
         self._started = False            # the interval after the start has been chosen (or learnt)
 
     def should_sample(self, step: int) -> bool:
+        if self._pending is not None and step >= self._pending[0] and not self._leader and self._channel is not None:
+            # a change is due: rank 0 may have taken it back after this rank read it (the read fell before rank 0's
+            # announcement of the same step); read once more, so that no rank switches alone. In lockstep what
+            # rank 0 announced up to two steps ago is there (it never takes back a change due within a step)
+            announced = self._channel.latest()
+            if announced is not None:
+                self._follow(announced, step)
         if self._pending is not None and step >= self._pending[0]:
             self.interval = self._pending[1]
             self._pending = None
@@ -83,10 +90,7 @@ class SamplingPolicy:
             announced = self._channel.latest() if self._channel is not None else None
             if announced is None:
                 return self._channel is None
-            if announced != self._pending and announced[1] != self.interval:
-                self._pending = announced if announced[0] > step else None
-                if announced[0] <= step:                 # late: follow at once
-                    self.interval = announced[1]
+            self._follow(announced, step)
             return True
         wanted = self._budget_interval()
         current = self._pending[1] if self._pending is not None else self.interval
@@ -95,6 +99,8 @@ class SamplingPolicy:
         if self._channel is None:
             self.interval, self._pending = wanted, None
             return True
+        if self._pending is not None and self._pending[0] <= step + 1:
+            return True      # followers may be switching to it now: it goes ahead, a new choice waits for a sample
         if early:
             # right after the start the followers poll every step: in lockstep (data parallelism waits for
             # every rank at each step) they have read it within two steps
@@ -106,6 +112,17 @@ class SamplingPolicy:
         self._pending = (from_step, wanted)
         self._channel.announce(from_step, wanted)
         return True
+
+    def _follow(self, announced: tuple[int, int], step: int) -> None:
+        """Take rank 0's latest announcement (a follower): its whole intent, also where it takes back an earlier one
+        whose step has not come (its interval may be this rank's current one: the pending change must still go)."""
+        if announced == self._pending:
+            return
+        if announced[0] > step:
+            self._pending = announced
+        else:                                    # late: follow at once
+            self._pending = None
+            self.interval = announced[1]
 
     def extra_ms(self) -> float | None:
         """Measured cost of sampling one step (ms), or None before there is evidence."""

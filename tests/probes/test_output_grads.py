@@ -37,6 +37,21 @@ def _reference_norms(model: nn.Module, steps: int, rows: int) -> dict[tuple[str,
     return norms
 
 
+def _stored_norms(model: nn.Module, steps: int, rows: int, run_dir) -> dict[tuple[str, int], float | None]:
+    """(module path, step) -> the stored norm of the gradient of its output, the model watched at every step
+    of the same training as :func:`_reference_norms`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, steps, lambda: (torch.randn(rows, 64, generator=g), torch.randint(0, 8, (rows,),
+                                                                                             generator=g)))
+    con = sqlite3.connect(w.store_path)
+    stored = {(path, step): norm for path, step, norm in con.execute(
+        "SELECT m.path, s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)")}
+    con.close()
+    return stored
+
+
 @pytest.mark.parametrize("rows", [128, 8], ids=["large-outputs", "small-outputs"])
 def test_each_module_gets_the_gradient_of_its_own_output(tmp_path, rows):
     """Large outputs (a gradient hook each) and small ones (kept by autograd) alike. A large output is freed
@@ -45,16 +60,7 @@ def test_each_module_gets_the_gradient_of_its_own_output(tmp_path, rows):
     assert (rows * 64 > batch.SMALL_OUTPUT) == (rows == 128)
     steps = 4
     expected = _reference_norms(_model(), steps, rows)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
-        train(model, opt, w, steps, lambda: (torch.randn(rows, 64, generator=g), torch.randint(0, 8, (rows,),
-                                                                                             generator=g)))
-    con = sqlite3.connect(w.store_path)
-    stored = {(path, step): norm for path, step, norm in con.execute(
-        "SELECT m.path, s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)")}
-    con.close()
+    stored = _stored_norms(_model(), steps, rows, tmp_path)
     assert set(stored) == set(expected)
     for key, norm in expected.items():
         assert stored[key] == pytest.approx(norm, rel=1e-5), key
@@ -78,16 +84,7 @@ class _SideBranch(nn.Module):
 def test_an_output_no_gradient_reaches_has_none_and_the_others_keep_their_own(tmp_path):
     steps, rows = 3, 8
     expected = _reference_norms(_SideBranch(), steps, rows)
-    model = _SideBranch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
-        train(model, opt, w, steps, lambda: (torch.randn(rows, 64, generator=g), torch.randint(0, 8, (rows,),
-                                                                                             generator=g)))
-    con = sqlite3.connect(w.store_path)
-    stored = {(path, step): norm for path, step, norm in con.execute(
-        "SELECT m.path, s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)")}
-    con.close()
+    stored = _stored_norms(_SideBranch(), steps, rows, tmp_path)
     assert {key: stored[key] for key in stored if key[0] == "side"} == {("side", s): None for s in range(steps)}
     assert set(stored) - set(expected) == {("side", s) for s in range(steps)}
     for key, norm in expected.items():

@@ -79,6 +79,35 @@ def test_ranks_sample_the_same_steps_whatever_their_own_timings():
     assert sampled[0] == sampled[1]
     assert 32 in intervals and leader.interval == follower.interval == 1
     assert len(sampled[0]) > 100
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_in_lockstep_sample_the_same_steps_when_rank_0_changes_its_mind(seed):
+    """Data parallelism in lockstep: at each step boundary every rank records its step and decides whether the next
+    is sampled, in any order across ranks (a follower's read of the announcement may fall before rank 0's
+    announcement of the same boundary); no rank passes the next boundary before all passed this one (the step's
+    all-reduce). Rank 0's sampling cost jumps about, so it announces new intervals and takes back ones whose step
+    has not come: no follower may switch alone."""
+    import random
+    rng = random.Random(seed)
+    channel = DictChannel()
+    ranks = [SamplingPolicy(every=None, overhead=0.01, channel=channel, leader=r == 0) for r in range(3)]
+    sampled: dict[int, list[int]] = {r: [0] for r in range(3)}
+    upcoming = [p.should_sample(0) for p in ranks]
+    intervals = set()
+    for step in range(2000):
+        order = list(range(3))
+        rng.shuffle(order)
+        for r in order:
+            s = upcoming[r]
+            extra = rng.choice([1.0, 3.0, 10.0, 30.0, 60.0]) if r == 0 else 2.0
+            ranks[r].observe(step, 100.0 + (extra if s else 0.0), extra if s else 0.0, s)
+            upcoming[r] = ranks[r].should_sample(step + 1)
+            if upcoming[r]:
+                sampled[r].append(step + 1)
+        intervals.add(ranks[0].interval)
+    assert len(intervals) >= 3 and len(sampled[0]) > 30
+    assert sampled[1] == sampled[0] and sampled[2] == sampled[0]
+
+
 def test_interval_is_capped_and_fixed_every_is_respected():
     p = SamplingPolicy(every=None, overhead=0.01)
     feed(p, 1.0, 1000.0, 999.0, 3000)
