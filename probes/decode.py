@@ -119,13 +119,7 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     stats[:, _DEAD:_SAT + 1] = torch.where(fractions < 0, math.nan, fractions)
     cols.stats = stats
     cols.hist = list(map(hists.__getitem__, positions))
-    counted = rec.calls       # every module with a row was counted (capture)
-    found: list[int | None] = list(map(counted.get, cols.module_ids))
-    if None in found or 0 in found:
-        where = values.where
-        cols.calls = [counted.get(mid) or sum(1 for k in rec.rows[mid] if k.slot in where) for mid in cols.module_ids]
-    else:
-        cols.calls = cast(list[int], found)
+    cols.calls = list(map(rec.calls.__getitem__, cols.module_ids))   # every module with a row was counted (capture)
     cols.order = list(map(_ORDER, firsts))
     cols.training = list(map(_TRAINING, firsts))
     cols.grad_enabled = list(map(_GRAD_ENABLED, firsts))
@@ -184,7 +178,7 @@ def _single_calls(rec: StepRecord, values: Fetched) -> tuple[list[int], list[Cal
     if len(values.columns) != 1 or list(map(len, calls)).count(1) != len(calls):
         return None
     firsts: list[CallRecord] = list(map(_FIRST, calls))
-    found: list[int | None] = list(map(values.row_of().get, map(_SLOT, firsts)))
+    found: list[int | None] = list(map(values.row_of.get, map(_SLOT, firsts)))
     if None in found:
         return None                      # an output changed in place before it could be read
     return cast(list[int], found), firsts

@@ -67,7 +67,7 @@ class Evaluator:
         """The findings after a sampled step."""
         step, rec = decoded.step, decoded.record
         self.events.observe_sample(SampledEvents(
-            step=step, modes=rec.modes, called=_called(rec),
+            step=step, modes=rec.modes, called=frozenset(rec.calls),     # a module is counted once called
             arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
@@ -104,12 +104,6 @@ class Evaluator:
         if not log.empty():
             book.observe_forwards(step, log, mode_sensitive, step_ended=False)
         return self.publish(step, index, runtime, sampled=False, events=book) if book.changed else []
-
-
-def _called(rec: StepRecord) -> frozenset[int]:
-    """The modules called in the step (every module counted was, in practice: then one C-level pass)."""
-    counts = rec.calls
-    return frozenset(counts) if 0 not in counts.values() else frozenset(m for m, n in counts.items() if n)
 
 
 def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidate]:

@@ -220,8 +220,8 @@ class StepMeasurements:
         self._slots = slot + 1
         columns = self._small.get(layout)
         if columns is None:
-            columns = self._small[layout] = _SmallColumns([], [], [], [], [])
-        slots, kept, sources, versions, keys = columns
+            columns = self._small[layout] = _SmallColumns(layout, [], [], [], [], [])
+        _, slots, kept, sources, versions, keys = columns
         slots.append(slot)
         kept.append(values)
         if source is None:
@@ -246,7 +246,7 @@ class StepMeasurements:
         single: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, c in self._vectors:
             (single if i in self._calls else plain).setdefault(c.device, []).append((i, c))
-        batches: dict[torch.device, list[_SmallGroup]] = {}
+        batches: dict[torch.device, list[_SmallColumns]] = {}
         for kept in self._small_groups():
             batches.setdefault(kept.layout.device, []).append(kept)
         groups = []
@@ -290,13 +290,14 @@ class StepMeasurements:
         self._small = {}
         return PendingFetch(n, groups)
 
-    def _small_groups(self) -> list[_SmallGroup]:
+    def _small_groups(self) -> list[_SmallColumns]:
         """The small outputs grouped by layout (in order of first appearance, calls in order within a group),
         without those changed in place after their hook and not copied; sets :attr:`changed_keys`."""
         self.changed_keys = set()
-        groups: list[_SmallGroup] = []
-        for layout, columns in self._small.items():
-            slots, values, sources, versions, keys = columns
+        groups: list[_SmallColumns] = []
+        for columns in self._small.values():
+            group = columns
+            _, slots, values, sources, versions, keys = columns
             if list(map(_VERSION, sources)) != versions:    # one C-level pass; a difference is rare
                 lost: set[int] = set()
                 for i, (source, version) in enumerate(zip(sources, versions, strict=True)):
@@ -305,25 +306,22 @@ class StepMeasurements:
                         if values[i] is source:
                             lost.add(i)                      # not what the module returned: no row this step
                 if lost:
-                    idx = [i for i in range(len(slots)) if i not in lost]
-                    slots, values, keys = [slots[i] for i in idx], [values[i] for i in idx], [keys[i] for i in idx]
-            if slots:
-                groups.append(_SmallGroup(layout, slots, values, keys))
+                    kept = [i for i in range(len(slots)) if i not in lost]
+                    group = _SmallColumns(columns.layout, *(_picked(field, kept) for field in columns[1:]))
+            if group.slots:
+                groups.append(group)
         return groups
 
 
-class _SmallGroup(NamedTuple):
-    """The small outputs of one layout, in call order: reduced together by :func:`probes.batch.reduce_calls`."""
-
-    layout: batch.SmallLayout
-    slots: list[int]
-    values: list[torch.Tensor]
-    keys: list[Any]
+def _picked(field: list[Any], positions: list[int]) -> list[Any]:
+    return [field[i] for i in positions]
 
 
 class _SmallColumns(NamedTuple):
-    """The small outputs of one layout as they come, one list per field."""
+    """The small outputs of one layout in call order, one list per field: reduced together by
+    :func:`probes.batch.reduce_calls`."""
 
+    layout: batch.SmallLayout
     slots: list[int]
     values: list[torch.Tensor]
     sources: list[Any]           # the output itself while its version is watched, else _UNWATCHED
@@ -436,19 +434,17 @@ class Fetched:
     def __init__(self, plain: list[list[float]], calls: list[CallColumns]) -> None:
         self.plain = plain
         self.columns = calls
-        self._row_of: dict[int, int] | None = None
 
     @functools.cached_property
     def where(self) -> dict[int, tuple[int, int]]:
         """Slot -> (which columns, row): the calls measured (an output changed in place after its hook was not)."""
         return {slot: (c, i) for c, cols in enumerate(self.columns) for i, slot in enumerate(cols.slots)}
 
+    @functools.cached_property
     def row_of(self) -> dict[int, int]:
         """Slot -> row of the first columns (the only ones of a step on one device), made in one C-level pass."""
-        if self._row_of is None:
-            slots = self.columns[0].slots if self.columns else []
-            self._row_of = dict(zip(slots, range(len(slots)), strict=True))
-        return self._row_of
+        slots = self.columns[0].slots if self.columns else []
+        return dict(zip(slots, range(len(slots)), strict=True))
 
     def __getitem__(self, slot: int) -> list[float]:
         return self.plain[slot]
