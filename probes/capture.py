@@ -534,8 +534,11 @@ class StepCapture:
             # the modules sharing this output, bound to it now: once the output is freed, a later output
             # may get its key (address, id, version 0) while its gradient is still to come
             targets = rec.grad_targets[key] = [mid]
-            # not a leaf (it requires grad: so it has a grad_fn), asked without making grad_fn's Python object
-            if numel <= batch.SMALL_OUTPUT and not x.is_leaf:
+            # not a leaf (it requires grad: so it has a grad_fn), asked without making grad_fn's Python object.
+            # autograd keeps a tensor's gradient for its latest version only: an output changed in place after its
+            # hook (known from the first sampled step on, which copies and checks every small output) gets a hook
+            # of its own instead. One first changed at a later step is lost that step, its norm with its row
+            if numel <= batch.SMALL_OUTPUT and not x.is_leaf and not self._learning and mid not in self._copy_outputs:
                 # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
                 # one); read, normed with the others and dropped at the end of the step
                 x.retain_grad()

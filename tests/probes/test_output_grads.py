@@ -91,6 +91,50 @@ def test_an_output_no_gradient_reaches_has_none_and_the_others_keep_their_own(tm
         assert stored[key] == pytest.approx(norm, rel=1e-5), key
 
 
+class _InPlace(nn.Module):
+    """Small outputs changed in place after their module returned them: a BatchNorm's by an in-place ReLU, a
+    Linear's by a residual add (from the forward pass numbered ``residual_from`` on, counting from 0)."""
+
+    def __init__(self, residual_from: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.act = nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(inplace=True)
+        self.fc2, self.act2, self.head = nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)
+        self.residual_from, self.calls = residual_from, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.fc1(x)))
+        out = self.fc2(h)
+        if self.calls >= self.residual_from:
+            out += h
+        self.calls += 1
+        return self.head(self.act2(out))
+
+
+def test_outputs_changed_in_place_get_the_gradient_of_what_their_module_returned(tmp_path):
+    """autograd keeps a tensor's gradient for its latest version: for an output changed in place after its module
+    returned it, that is the gradient of what the in-place operation made, not of the module's output."""
+    steps, rows = 4, 8
+    expected = _reference_norms(_InPlace(), steps, rows)
+    stored = _stored_norms(_InPlace(), steps, rows, tmp_path)
+    assert set(stored) == set(expected)
+    for key, norm in expected.items():
+        assert stored[key] == pytest.approx(norm, rel=1e-5), key
+
+
+def test_an_output_first_changed_in_place_at_a_later_step_has_no_norm_that_step_then_its_own(tmp_path):
+    """The path changes at step 2: fc2's output is changed in place for the first time after the sampled steps
+    that learnt which outputs are. That step it has no row (its output was lost for every statistic: missing,
+    never wrong) and no other module gets its gradient; from the next, its own."""
+    steps, rows = 5, 8
+    expected = _reference_norms(_InPlace(residual_from=2), steps, rows)
+    stored = _stored_norms(_InPlace(residual_from=2), steps, rows, tmp_path)
+    assert ("fc2", 2) not in stored
+    for key, norm in expected.items():
+        if key != ("fc2", 2):
+            assert stored[key] == pytest.approx(norm, rel=1e-5), key
+
+
 class _Deep(nn.Module):
     """12 small blocks (their gradients' norms are stacked by shape) and a narrower head; ``depth`` blocks run."""
 
