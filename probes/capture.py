@@ -538,9 +538,11 @@ class StepCapture:
             # autograd keeps a tensor's gradient for its latest version only: an output changed in place after its
             # hook (known from the first sampled step on, which copies and checks every small output) gets a hook
             # of its own instead. One first changed at a later step is lost that step, its norm with its row
-            if numel <= batch.SMALL_OUTPUT and not x.is_leaf and not self._learning and mid not in self._copy_outputs:
-                # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python
-                # one); read, normed with the others and dropped at the end of the step
+            if numel <= batch.SMALL_OUTPUT and not x.is_leaf and not self._learning and mid not in self._copy_outputs \
+                    and not x.retains_grad:
+                # autograd keeps its gradient for us (a C++ hook, several times cheaper than a Python one); read
+                # and normed with the others at the end of the step. One kept already (by the user, or a tensor
+                # a module returns step after step, whose .grad would add up) gets a hook of its own
                 x.retain_grad()
                 rec.retained.append(x)
                 rec.retained_sharing.append(targets)
@@ -653,9 +655,10 @@ class StepCapture:
         kept: list[list[int]] = []
         outputs = rec.retained
         if outputs:
+            # .grad is left as autograd set it: the user may have asked to retain it too (out.retain_grad() after
+            # our hook, which is then a no-op), and a reset would take it from them; the outputs nobody else holds
+            # are freed with the list, their gradient with them
             taken = list(map(_GRAD, outputs))
-            for x in outputs:
-                x.grad = None                   # what the user holds is left as it was
             arrived = [i for i, g in enumerate(taken) if g is not None]
             if len(arrived) == len(taken):
                 grads += taken
@@ -675,7 +678,9 @@ class StepCapture:
             if kept:
                 rec.retained_norms = RetainedNorms(slot, hooked, kept)
             small.clear()
-        remaining = [t for t in index.gradient_tensors() if t not in rec.grads]
+        gradient_tensors, measured = index.gradient_tensors(), rec.grads.ids()
+        # every one measured at an optimizer step: the common case, in one C-level pass
+        remaining = [] if measured.issuperset(gradient_tensors) else [t for t in gradient_tensors if t not in measured]
         if remaining:
             self.measure_grads(rec, remaining)
         if rec.orphan_baseline is not None:

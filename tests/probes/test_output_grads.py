@@ -198,3 +198,80 @@ def test_gradient_norms_stay_right_when_the_calls_change_between_steps(tmp_path)
     assert set(stored) == set(expected)
     for key, norm in expected.items():
         assert stored[key] == pytest.approx(norm, rel=1e-5), key
+
+
+class _Cached(nn.Module):
+    """Returns the same non-leaf tensor at every call (made once, its graph kept by backward(retain_graph=True)):
+    under retain_grad its .grad would add up over the steps, and a norm read from it be of them all together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.cached: torch.Tensor | None = None
+
+    def forward(self):
+        if self.cached is None:
+            self.cached = self.fc(torch.ones(1, 8))
+        return self.cached
+
+
+class _WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.cache, self.out = nn.Linear(8, 8), _Cached(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.inp(x) + self.cache())
+
+
+def test_the_users_own_retained_gradients_stay_theirs_through_sampled_steps(tmp_path):
+    """A user who keeps the gradient of a module's output (out.retain_grad(), after modscope's hook saw the output)
+    reads it after optimizer.step() at every step. modscope used to set .grad back to None at the end of a sampled
+    step, so a saliency map or a gradient check read None (and failed) on sampled steps only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 8)
+    seen = []
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        for _ in range(4):
+            out = model(x)
+            out.retain_grad()
+            loss = out.pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            expected = (2 * out).detach()
+            opt.step()
+            w.step(loss)
+            seen.append(out.grad is not None and torch.equal(out.grad, expected))
+    assert seen == [True] * 4
+
+
+def test_a_module_returning_the_same_tensor_every_step_gets_each_steps_own_gradient(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 8, generator=g) for _ in range(4)]
+    torch.manual_seed(0)
+    model, twin = _WithCache(), _WithCache()
+    twin.load_state_dict(model.state_dict())
+    # autograd's gradient of the cached output at each step, read with a hook of our own on an unwatched twin
+    reference: dict[int, float] = {}
+    opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for s, x in enumerate(batches):
+        handle = twin.cache().register_hook(lambda grad, s=s: reference.__setitem__(s, grad.norm().item()))
+        opt_twin.zero_grad()
+        twin(x).sum().backward(retain_graph=True)
+        opt_twin.step()
+        handle.remove()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        for x in batches:
+            opt.zero_grad()
+            model(x).sum().backward(retain_graph=True)
+            opt.step()
+    con = sqlite3.connect(w.store_path)
+    stored = dict(con.execute("SELECT s.step, s.out_grad_norm FROM module_stats s JOIN modules m USING(rank, module_id)"
+                              " WHERE m.path = 'cache'"))
+    con.close()
+    assert len(reference) == 4 and set(stored) == set(reference)
+    for s, norm in reference.items():
+        assert stored[s] == pytest.approx(norm, rel=1e-5), (s, stored, reference)
