@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,8 +32,9 @@ import probes
 from bench.models import registry
 
 ALL_CONFIGS = ["bare", "modscope-default", "modscope-every1", "ideal", "wandb", "tensorboard"]
-# not run by default: the floor of any exact per-module statistic (see FloorProbe)
-EXTRA_CONFIGS = ["floor"]
+# not run by default: the floor of any exact per-module statistic (FloorProbe), and the floor of the
+# statistics every=1 stores (StoredFloorProbe)
+EXTRA_CONFIGS = ["floor", "floor-every1"]
 
 
 class IdealProbe:
@@ -104,6 +106,57 @@ class FloorProbe:
             h.remove()
 
 
+class StoredFloorProbe:
+    """The floor of what modscope every=1 stores, for reading point 2 of the figures: the exact passes its
+    statistics need and nothing else. Forward: FloorProbe's four passes on each distinct float output of
+    every module (every=1 keeps a row for every module, leaf or not; an output a wrapper returns unchanged
+    is measured once, as every=1 does). Backward: one pass (a dot product) over each such output's
+    gradient, for ``out_grad_norm``. After the optimizer step: the norm of every parameter's gradient and
+    data (``grad_norm``, ``data_norm``) with torch's fastest exact kernel, ``_foreach_norm``. Left out, so
+    that this stays below every=1's true floor: histograms, zero fraction and update norms (strided samples
+    of a few thousand values), non-finite counts, gradient-arrival hooks, findings and the store."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # the outputs measured this step, by (id, version); weakly, as every=1 does: a freed output's id may be
+        # the next output's
+        self.seen: dict[tuple[int, int], weakref.ref] = {}
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules()]
+
+    def _hook(self, module, args, out):
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
+            return
+        key = (id(x), x._version)
+        seen = self.seen.get(key)
+        if seen is not None and seen() is x:
+            return
+        self.seen[key] = weakref.ref(x)
+        xf = x.detach()
+        flat = xf.reshape(-1)
+        if xf.dim() >= 2:
+            dims = (0, *range(2, xf.dim())) if xf.dim() == 4 else tuple(range(xf.dim() - 1))
+            _ = (flat.sum(), torch.dot(flat, flat), xf.amax(dims), xf.amin(dims))
+        else:
+            _ = (flat.sum(), torch.dot(flat, flat))
+        if x.requires_grad:
+            x.register_hook(self._grad_hook)
+
+    @staticmethod
+    def _grad_hook(grad):
+        flat = grad.detach().reshape(-1)
+        _ = torch.dot(flat, flat)
+
+    def step(self):
+        self.seen.clear()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        _ = (torch._foreach_norm(grads) if grads else None, torch._foreach_norm(self.params))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 class Harness:
     def __init__(self, config, factory, batch_fn, loss_fn, device, workdir: Path, compile_backend=None):
         torch.manual_seed(0)
@@ -124,6 +177,8 @@ class Harness:
             self.ideal = IdealProbe(self.model)
         elif config == "floor":
             self.ideal = FloorProbe(self.model)
+        elif config == "floor-every1":
+            self.ideal = StoredFloorProbe(self.model)
         elif config == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir))
@@ -244,6 +299,9 @@ def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=Fa
     total = {c: sum(every_step[c]) / sum(every_step["bare"]) - 1 for c in configs}
     result = {"median_ms": med, "overhead": over, "overhead_total_time": total,
               "n": {c: len(v) for c, v in times.items()}, "self_reported": measured}
+    for floor in ("floor", "floor-every1"):         # point 2 of issue 14: overheads as multiples of a floor's
+        if floor in over and over[floor] > 0:
+            result[f"x_{floor}"] = {c: over[c] / over[floor] for c in configs if c not in ("bare", floor)}
     if phases:
         result["phases_ms"] = {c: [statistics.median(col) for col in zip(*v, strict=True)]
                                for c, v in phase_ms.items()}
@@ -301,7 +359,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
     ap.add_argument("--configs", default=",".join(ALL_CONFIGS),
-                    help=f"comma list of: {', '.join(ALL_CONFIGS + EXTRA_CONFIGS)} (default: all but floor)")
+                    help=f"comma list of: {', '.join(ALL_CONFIGS + EXTRA_CONFIGS)} (default: all but the floors)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=2, help="steps per configuration per round")
     ap.add_argument("--warmup", type=int, default=10,
@@ -348,6 +406,10 @@ def main(argv=None) -> int:
                 extra = ""
                 if c.startswith("modscope") and "ideal" in ov and ov["ideal"] > 0:
                     extra += f"  {over / ov['ideal']:5.2f}x ideal's overhead"
+                if c != "floor" and "floor" in ov and ov["floor"] > 0 and c not in ("bare", "modscope-default"):
+                    extra += f"  {over / ov['floor']:5.2f}x floor's overhead"
+                if c == "modscope-every1" and "floor-every1" in ov and ov["floor-every1"] > 0:
+                    extra += f"  {over / ov['floor-every1']:5.2f}x floor-every1's"
                 if c.startswith("modscope") and "wandb" in ov and over > 0:
                     extra += f"  {ov['wandb'] / over:6.1f}x less than wandb"
                 if c == "modscope-default":
