@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import measure, records
-from .capture import StepCapture, StepRecord
+from .capture import StepCapture, StepRecord, release_outputs
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
@@ -342,6 +342,7 @@ class Watcher:
         rec = self._capture.finish()
         loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
         fetch = rec.measurements.start_fetch()      # the one host copy of this step
+        release_outputs(rec)
         self._capture.learn_in_place(rec.measurements.changed_keys)
         if fetch.deferred:
             # non-blocking on an accelerator: read at a later step boundary, once it has landed
