@@ -355,6 +355,14 @@ def _syncs_of(fn) -> int:
     return sum(1 for c in caught if "synchroniz" in str(c.message))
 
 
+def floor_ratio(overhead: float, floor_overhead: float, floor: str) -> str:
+    """An overhead as a multiple of a floor's, for the printed table (a short run can measure a floor at or below
+    bare: no multiple of that means anything)."""
+    if floor_overhead > 0:
+        return f"  {overhead / floor_overhead:5.2f}x {floor}'s overhead"
+    return f"  ({floor}'s overhead {floor_overhead:+.2%}: no multiple)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
@@ -406,10 +414,10 @@ def main(argv=None) -> int:
                 extra = ""
                 if c.startswith("modscope") and "ideal" in ov and ov["ideal"] > 0:
                     extra += f"  {over / ov['ideal']:5.2f}x ideal's overhead"
-                if c != "floor" and "floor" in ov and ov["floor"] > 0 and c not in ("bare", "modscope-default"):
-                    extra += f"  {over / ov['floor']:5.2f}x floor's overhead"
-                if c == "modscope-every1" and "floor-every1" in ov and ov["floor-every1"] > 0:
-                    extra += f"  {over / ov['floor-every1']:5.2f}x floor-every1's"
+                if c != "floor" and "floor" in ov and c not in ("bare", "modscope-default"):
+                    extra += floor_ratio(over, ov["floor"], "floor")
+                if c == "modscope-every1" and "floor-every1" in ov:
+                    extra += floor_ratio(over, ov["floor-every1"], "floor-every1")
                 if c.startswith("modscope") and "wandb" in ov and over > 0:
                     extra += f"  {ov['wandb'] / over:6.1f}x less than wandb"
                 if c == "modscope-default":
