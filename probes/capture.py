@@ -675,7 +675,7 @@ class StepCapture:
         kept: list[list[int]] = []
         outputs = rec.retained
         if outputs:
-            # the outputs stay in rec.retained until detach (see _release_outputs)
+            # the outputs stay in rec.retained until the host copy has started (release_outputs)
             taken = list(map(_GRAD, outputs))
             arrived = [i for i, g in enumerate(taken) if g is not None]
             if len(arrived) == len(taken):
