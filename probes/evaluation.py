@@ -118,12 +118,12 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
     out = []
     for i in [i for i, n in enumerate(first_called) if not n]:
         owners = owners_of[i]
-        if owners is _NOBODY or not owners:
+        if owners is _NOBODY:
             continue
         if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
             out.append(BypassCandidate(arrived[i], owners))
     return out
 
 
-_NOBODY: tuple[int, ...] = (-1,)      # the owners of a tensor the index does not know (no module has id -1)
+_NOBODY: tuple[int, ...] = (-1,)      # the owners of a tensor no module owns (no module has id -1)
 _FIRST = operator.itemgetter(0)

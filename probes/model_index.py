@@ -294,7 +294,8 @@ def _mode_relevant(node: ModuleNode) -> bool:
 
 
 def _owners(s: ModelStructure) -> dict[int, tuple[int, ...]]:
-    """Every module that owns a tensor, under any of its names (tied weights)."""
+    """Every module that owns a tensor, under any of its names (tied weights); a tensor no module of the tree owns
+    has no entry (never an empty tuple: readers take the first owner)."""
     by_path = {n.path: n.module_id for n in s.modules}
     for n in s.modules:
         for a in n.aliases:
@@ -306,7 +307,8 @@ def _owners(s: ModelStructure) -> dict[int, tuple[int, ...]]:
             mid = by_path.get(alias.rpartition(".")[0])
             if mid is not None and mid not in mids:
                 mids.append(mid)
-        owners[t.param_id] = tuple(mids)
+        if mids:
+            owners[t.param_id] = tuple(mids)
     return owners
 
 

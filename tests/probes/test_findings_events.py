@@ -294,3 +294,27 @@ def test_gradient_accumulation_over_micro_batches_is_not_grad_accumulating(run_d
                 (F.cross_entropy(model(x), y) / 4).backward()
             opt.step()
         assert w.findings() == []
+
+
+def test_a_gradient_on_a_tensor_no_module_owns_is_no_bypass_and_breaks_no_sample():
+    """A registered tensor whose module the walk did not find (module_id None: its parameter lives on a wrapper) has
+    no owner. Its owners were an empty tuple, and the forward-bypass check, which reads each tensor's first owner,
+    raised on it: the sample's findings were lost (a probe error) whenever such a tensor got a gradient."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from probes import model_index
+    from probes.capture import StepRecord
+    from probes.evaluation import bypass_candidates
+
+    model = zoo.Bypass()
+    index = model_index.build_index(model, [torch.optim.SGD(model.parameters(), lr=0.1)], model_index.IdRegistry())
+    ownerless = index.structure.tensors[index.tensor_paths["proj.weight"]]
+    ownerless.module_id = None
+    index = dataclasses.replace(index, owners=MappingProxyType(model_index._owners(index.structure)))
+    assert ownerless.param_id not in index.owners
+    rec = StepRecord()
+    rec.calls = {index.paths["out"]: 1}        # proj's forward skipped its hooks: its tensors are candidates
+    rec.arrived = {t.param_id for t in index.structure.tensors}
+    found = bypass_candidates(rec, index)
+    assert [c.tensor_id for c in found] == [index.tensor_paths["proj.bias"]]
