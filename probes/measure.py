@@ -525,7 +525,6 @@ class _CallPlan:
     numel: torch.Tensor         # float64
     tracked_calls: list[int]    # calls whose units extend an activity history
     tracked_units: torch.Tensor | None   # their units' positions among all calls' units
-    tracked_keys: tuple[int, ...] | None
 
 
 _PLANS: dict[tuple[tuple[int, ...], tuple[CallLayout, ...]], _CallPlan] = {}
@@ -559,8 +558,7 @@ def _plan(starts: list[int], lays: list[CallLayout]) -> _CallPlan:
         torch.tensor(head_sat, dtype=torch.int64),
         torch.tensor([math.nan if lay.nonfinite is None else float(lay.nonfinite) for lay in lays],
                      dtype=torch.float64),
-        torch.tensor([lay.numel for lay in lays], dtype=torch.float64), tracked, tracked_units,
-        tuple(tracked) if tracked else None)
+        torch.tensor([lay.numel for lay in lays], dtype=torch.float64), tracked, tracked_units)
     return plan
 
 
@@ -625,7 +623,7 @@ def _call_columns(host: torch.Tensor, calls: CallSlots,
     sat = _pick(host, plan.head_sat, NOT_APPLICABLE)
     absmax = torch.maximum(hi, -lo)
     dead = torch.full((n_calls,), NOT_APPLICABLE, dtype=torch.float64)
-    if activity is not None and plan.tracked_keys is not None:
+    if activity is not None and plan.tracked_calls:
         active = (umax > 0) | (umin < 0)
         keys_of, layouts = calls.keys, calls.layouts
         fractions = activity.update_calls(
