@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -174,6 +174,9 @@ class StepRecord:
     orphans_checked: bool = False
     modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
+    # tensor -> where its group's lr is among the fetched vectors, for an lr held as a tensor on a device whose reads
+    # cost a sync (fused optimizers take one): read with the step's one host copy, not in the optimizer hook
+    device_lrs: dict[int, TensorSlot] = dataclasses.field(default_factory=dict)
     fingerprints: PerTensor = dataclasses.field(default_factory=PerTensor)        # replicas must agree
     local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
@@ -632,11 +635,14 @@ class StepCapture:
         if not tids:
             return
         known = self._tensors_of(index, tids)
-        group_lrs = [_as_float(g.get("lr")) for g in optimizer.param_groups]
+        group_lrs = [_group_lr(rec, g.get("lr")) for g in optimizer.param_groups]
         n_groups = len(group_lrs)
-        rec.lrs.update(zip(tids, [group_lrs[g] if g is not None and g < n_groups else None
-                                  for g in (known.opt_groups if known is not None
-                                            else [index.tensors[t].opt_group for t in tids])], strict=True))
+        lrs = [group_lrs[g] if g is not None and g < n_groups else None
+               for g in (known.opt_groups if known is not None else [index.tensors[t].opt_group for t in tids])]
+        if any(isinstance(lr, TensorSlot) for lr in group_lrs):
+            rec.device_lrs.update((t, lr) for t, lr in zip(tids, lrs, strict=True) if isinstance(lr, TensorSlot))
+            lrs = [None if isinstance(lr, TensorSlot) else lr for lr in lrs]
+        rec.lrs.update(zip(tids, cast("list[float | None]", lrs), strict=True))
         self.measure_grads(rec, tids, known)
         rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take(
             known.tensors if known is not None else [index.tensor(t) for t in tids]))
@@ -778,8 +784,8 @@ class StepCapture:
         if vec is None:
             return
         rec.updates.add(rec.measurements.add(vec), tids)
-        if vec.device.type == "cpu":
-            # reading a CPU tensor costs no sync: the full-tensor check only where the sample saw no change
+        if measure.reads_free(vec.device):
+            # reading it costs no sync: the full-tensor check only where the sample saw no change
             check = torch.nonzero(vec == 0).flatten().tolist()
         else:
             check = list(range(len(tids)))
@@ -789,9 +795,13 @@ class StepCapture:
             rec.post.add(rec.measurements.add(post), [tids[pos] for pos in check])
 
 
-def _as_float(value: object) -> float | None:
+def _group_lr(rec: StepRecord, lr: object) -> float | TensorSlot | None:
+    """A param group's learning rate as a number, or, when it is a tensor on a device whose reads cost a sync, a
+    copy of it added to the step's measurements (a scheduler may change it in place before the copy starts)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not measure.reads_free(lr.device):
+        return TensorSlot(rec.measurements.add(lr.detach().reshape(1).float().clone()), 0)
     try:
-        return float(value)  # type: ignore[arg-type]
+        return float(lr)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
 

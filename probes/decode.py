@@ -268,6 +268,10 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
     arrived, lrs = rec.arrived, rec.lrs.get
     cols.arrived = [tid in arrived for tid in tids]
     cols.lr = [lrs(tid) for tid in tids]
+    if rec.device_lrs:                    # held on a device: fetched with the step's values
+        slot_of = rec.device_lrs.get
+        cols.lr = [lr if (at := slot_of(tid)) is None else plain[at.slot][at.pos]
+                   for tid, lr in zip(tids, cols.lr, strict=True)]
     return cols
 
 

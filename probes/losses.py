@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import records
+from . import measure, records
 from .records import Op
 
 MAX_PENDING = 64
@@ -26,7 +26,7 @@ class LossRecorder:
     def record(self, step: int, loss: Any) -> None:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
-            if loss.device.type != "cpu":
+            if not measure.reads_free(loss.device):
                 self.pending.append((step, loss))
                 if len(self.pending) >= MAX_PENDING:
                     self.flush()

@@ -24,6 +24,16 @@ CALL_WIDTH = len(CALL_FIELDS) + HIST_BINS
 HIST_SAMPLE = batch.HIST_SAMPLE    # the histogram is taken on at most this many evenly strided values
 FLOAT_TYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 NOT_APPLICABLE = -1.0
+# device types whose values the host reads without waiting for the device. On these a hook reads a scalar where
+# that saves work (a finite E[x^2] means there is no NaN/Inf to count); on every other device nothing of a sampled
+# step is read before its one host copy (tests/probes/test_host_reads.py runs that path on CPU tensors by emptying
+# this set)
+FREE_READ_DEVICES = frozenset({"cpu"})
+
+
+def reads_free(device: torch.device) -> bool:
+    """Whether the host reads a value on ``device`` without a device sync (the CPU)."""
+    return device.type in FREE_READ_DEVICES
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -268,7 +278,7 @@ class StepMeasurements:
             if by_shape:
                 with torch.no_grad():        # kept outputs may require grad: the batch records no graph
                     reduced = batch.reduce_calls([g.values for g in by_shape], [g.layout for g in by_shape],
-                                                 device.type == "cpu")
+                                                 reads_free(device))
                 parts.append(reduced.chunk)
                 for small, group in zip(by_shape, reduced.groups, strict=True):
                     spec = group.spec
@@ -645,7 +655,7 @@ def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: i
     E[x^2] as a dot product (Welford's std_mean is 60x slower on CPU), per-unit max and min over
     the non-unit dims, and a copy of <= HIST_SAMPLE evenly strided values for the histogram (and
     the zero fraction). The NaN/Inf count is taken only when E[x^2] is not finite where reading
-    a scalar costs no device sync (``scalar_reads_free``, default: the tensor is on the CPU), and
+    a scalar costs no device sync (``scalar_reads_free``, default: :func:`reads_free` of its device), and
     on the device, into the chunk, everywhere else."""
     # detached, so no op below records autograd history (cheaper than entering no_grad per call)
     xf = x.detach()
@@ -668,7 +678,7 @@ def call_chunk(x: torch.Tensor, extra_nonfinite: Sequence[torch.Tensor], udim: i
     else:
         unit_parts, paired, units, track = [flat.amax().reshape(1), flat.amin().reshape(1)], True, 1, False
     known: int | None = None
-    on_cpu = flat.device.type == "cpu" if scalar_reads_free is None else scalar_reads_free
+    on_cpu = reads_free(flat.device) if scalar_reads_free is None else scalar_reads_free
     if on_cpu and not extra_nonfinite and math.isfinite(head[1].item()):
         known = 0
     elif on_cpu:
