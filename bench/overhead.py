@@ -328,31 +328,53 @@ def rss(name: str, config: str, steps: int, device: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mb"]
 
 
-def count_syncs(name: str, device: str, workdir: Path) -> int:
-    """Host syncs during one sampled modscope step (CUDA only), counted with the sync debug mode."""
+SYNC_STEPS = 6      # sampled steps over which --sync-count counts
+
+
+def count_syncs(name: str, device: str, workdir: Path) -> dict[str, float]:
+    """Host syncs of modscope's sampled steps (CUDA only), per sampled step, over SYNC_STEPS steps at every=1 against
+    as many bare steps: ``implicit``, those the sync debug mode reports (an ``.item()``, a blocking copy... in a hook
+    or at a step's end: the design has none), and ``copy_reads``/``copy_waits``, the reads of a sampled step's one
+    host copy and how many of them had to wait for it (an event not complete yet: the design's one sync at most)."""
     factory, batch_fn, loss_fn = registry(device)[name]
     h = Harness("bare", factory, batch_fn, loss_fn, device, workdir)
-    for _ in range(2):
-        h.step()
-    base = _syncs_of(h.step)
-    w = probes.watch(h.model, h.opt, run_dir=workdir / "sync", every=1)
-    h.watcher = w
-    h.step()
-    with_probe = _syncs_of(h.step)
-    h.close()
-    return with_probe - base
+    try:
+        for _ in range(2):
+            h.step()
+        bare = _syncs_of(h.step, SYNC_STEPS)
+        h.watcher = probes.watch(h.model, h.opt, run_dir=workdir / "sync", every=1)
+        h.step()                          # the first sampled step: the hooks' one-off work
+        watched = _syncs_of(h.step, SYNC_STEPS)
+    finally:
+        h.close()
+    return {"implicit": (watched["implicit"] - bare["implicit"]) / SYNC_STEPS,
+            "copy_reads": watched["copy_reads"] / SYNC_STEPS, "copy_waits": watched["copy_waits"] / SYNC_STEPS}
 
 
-def _syncs_of(fn) -> int:
+def _syncs_of(step, steps: int) -> dict[str, int]:
+    """What ``steps`` calls of ``step`` sync: implicit syncs (torch.cuda.set_sync_debug_mode's warnings), and the
+    CUDA events waited on (torch.cuda.Event.synchronize: modscope's reads of a host copy), those not complete."""
+    counts = {"copy_reads": 0, "copy_waits": 0}
+    event_sync = torch.cuda.Event.synchronize
+
+    def counted(event) -> None:
+        counts["copy_reads"] += 1
+        counts["copy_waits"] += not event.query()
+        event_sync(event)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(1 for c in caught if "synchroniz" in str(c.message))
+    torch.cuda.Event.synchronize = counted
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        torch.cuda.Event.synchronize = event_sync
+    return {**counts, "implicit": sum(1 for c in caught if "synchroniz" in str(c.message))}
 
 
 def floor_ratio(overhead: float, floor_overhead: float, floor: str) -> str:
@@ -439,8 +461,10 @@ def main(argv=None) -> int:
                 r["rss_mb"] = {"bare": rb, "modscope-every1": rm}
                 print(f"  peak RSS: bare {rb:.0f} MB, modscope every=1 {rm:.0f} MB ({rm - rb:+.0f} MB)")
             if args.sync_count and args.device.startswith("cuda"):
-                r["syncs_per_sampled_step"] = count_syncs(name, args.device, Path(tmp))
-                print(f"  host syncs added per sampled step: {r['syncs_per_sampled_step']}")
+                syncs = r["syncs_per_sampled_step"] = count_syncs(name, args.device, Path(tmp))
+                print(f"  host syncs per sampled step (every=1, {SYNC_STEPS} steps): {syncs['implicit']:.2f} implicit "
+                      f"(sync debug mode, against bare), {syncs['copy_reads']:.2f} reads of the host copy, "
+                      f"{syncs['copy_waits']:.2f} of which waited for it")
             results[name] = r
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
