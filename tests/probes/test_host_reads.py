@@ -139,12 +139,11 @@ def test_the_count_sees_the_reads_the_cpu_path_makes(tmp_path, host_reads):
 
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
-def test_a_learning_rate_held_as_a_tensor_is_read_with_the_copy(tmp_path, monkeypatch, host_reads, path):
+def test_a_learning_rate_held_as_a_tensor_is_read_with_the_copy(tmp_path, request, host_reads, path):
     """Fused optimizers take the learning rate as a tensor, on the device: it is fetched with the step's values
     (no read in the optimizer hook), and a group whose lr is 0 is still named as the reason it does not update."""
     if path == "accelerator":
-        monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
-        monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+        request.getfixturevalue("accelerator_path")
     model = zoo.MLP(din=8, hidden=16, dout=2, depth=1)
     opt = torch.optim.Adam([{"params": model.net[0].parameters(), "lr": torch.tensor(1e-2)},
                             {"params": model.net[2].parameters(), "lr": torch.tensor(0.0)}])
