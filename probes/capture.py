@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -636,13 +636,14 @@ class StepCapture:
             return
         known = self._tensors_of(index, tids)
         group_lrs = [_group_lr(rec, g.get("lr")) for g in optimizer.param_groups]
+        numbers = [None if isinstance(lr, TensorSlot) else lr for lr in group_lrs]
         n_groups = len(group_lrs)
-        lrs = [group_lrs[g] if g is not None and g < n_groups else None
-               for g in (known.opt_groups if known is not None else [index.tensors[t].opt_group for t in tids])]
-        if any(isinstance(lr, TensorSlot) for lr in group_lrs):
-            rec.device_lrs.update((t, lr) for t, lr in zip(tids, lrs, strict=True) if isinstance(lr, TensorSlot))
-            lrs = [None if isinstance(lr, TensorSlot) else lr for lr in lrs]
-        rec.lrs.update(zip(tids, cast("list[float | None]", lrs), strict=True))
+        groups = [g if g is not None and g < n_groups else None
+                  for g in (known.opt_groups if known is not None else [index.tensors[t].opt_group for t in tids])]
+        rec.lrs.update(zip(tids, [None if g is None else numbers[g] for g in groups], strict=True))
+        if None in numbers:           # some held on a device, or not a number: those on a device come with the copy
+            rec.device_lrs.update((t, lr) for t, g in zip(tids, groups, strict=True)
+                                  if g is not None and isinstance(lr := group_lrs[g], TensorSlot))
         self.measure_grads(rec, tids, known)
         rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take(
             known.tensors if known is not None else [index.tensor(t) for t in tids]))
