@@ -547,11 +547,14 @@ class Store:
                 out.append(f"{alias}.{c} AS {c}" if alias else c)
         return ", ".join(out)
 
-    def _column(self, table: str, column: str) -> str:
-        """One column of ``table`` as an expression (its default where this store's version lacks it)."""
+    def _column(self, table: str, column: str, alias: str = "") -> str:
+        """One column of ``table`` (as ``alias.column`` with an alias) as an expression (its default where this
+        store's version lacks it)."""
         present = self._columns.get(table)
         defaults = dict(ADDED_COLUMNS.get(table, ()))
-        return defaults[column] if present is not None and column in defaults and column not in present else column
+        if present is not None and column in defaults and column not in present:
+            return defaults[column]
+        return f"{alias}.{column}" if alias else column
 
     # -- the one query helper --------------------------------------------------------------
     def _query(self, sql: str, params: Sequence[Any] = (), *, limit: int | None = None) -> list[sqlite3.Row]:
@@ -949,7 +952,7 @@ class Store:
                            "LIMIT ?", (rank, module_id, bucket, max_cols + 1), limit=max_cols + 1)
         steps, counts = [], []
         for r in rows:
-            h = decode_hist(r["hist"])          # schema 2: a uint16 blob; schema 1: a JSON list
+            h = decode_hist(r["hist"])          # schema 2 on: a uint16 blob; schema 1: a JSON list
             if h is not None:
                 steps.append(r["step"])
                 counts.append([float(x) for x in h])
@@ -964,7 +967,8 @@ class Store:
         """The parameters/buffers/tensors owned by a module, with their latest statistics."""
         rows = self._query(
             f"SELECT {', '.join('p.' + c for c in self._PARAM_COLS)}, s.step AS stat_step, "
-            f"{self._select('param_stats', self._PARAM_STAT_COLS, 's')} "
+            f"{self._select('param_stats', self._PARAM_STAT_COLS, 's')}, "
+            f"{self._column('param_stats', 'lr', 's')} AS step_lr "
             "FROM params p LEFT JOIN param_stats s ON s.rank = p.rank AND s.param_id = p.param_id "
             "AND s.step = (SELECT MAX(step) FROM param_stats WHERE rank = p.rank "
             "AND param_id = p.param_id) "
@@ -975,7 +979,11 @@ class Store:
             d = dict(r)
             d["shape"] = _loads(d["shape"])
             d["aliases"] = _loads(d["aliases"], []) or []
-            for k in ("lr", *self._PARAM_STAT_COLS):
+            # the lr of the latest sampled step (a scheduler changes it); params.lr is the one at the index's
+            # build, all an older store has
+            step_lr = _finite(d.pop("step_lr"))
+            d["lr"] = step_lr if step_lr is not None else _finite(d["lr"])
+            for k in self._PARAM_STAT_COLS:
                 d[k] = _finite(d[k])
             out.append(d)
         return out

@@ -801,10 +801,7 @@ def _group_lr(rec: StepRecord, lr: object) -> float | TensorSlot | None:
     copy of it added to the step's measurements (a scheduler may change it in place before the copy starts)."""
     if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not measure.reads_free(lr.device):
         return TensorSlot(rec.measurements.add(lr.detach().reshape(1).float().clone()), 0)
-    try:
-        return float(lr)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
+    return measure.host_number(lr)
 
 
 def _by_device(index: ModelIndex, tensor_ids: list[int]) -> list[list[int]]:

@@ -302,9 +302,10 @@ def param_stat_rows(rank: int, step: int, c: TensorColumns) -> ColumnRows:
     NULL; the update ratio is NULL too where the data norm is 0 or missing)."""
     n = len(c.tensor_ids)
     grad, data, update = floats(c.grad_norm), floats(c.data_norm), floats(c.update_norm)
-    cols = torch.stack([grad, data, update, update / data, floats(c.local_grad_norm), floats(c.fingerprint)])
-    g, d, u, ratio, lg, fp = torch.where(torch.isfinite(cols), cols, math.nan).tolist()
-    return ColumnRows([[rank] * n, c.tensor_ids, [step] * n, g, d, u, ratio, lg, fp])
+    cols = torch.stack([grad, data, update, update / data, floats(c.local_grad_norm), floats(c.fingerprint),
+                        floats(c.lr)])
+    g, d, u, ratio, lg, fp, lr = torch.where(torch.isfinite(cols), cols, math.nan).tolist()
+    return ColumnRows([[rank] * n, c.tensor_ids, [step] * n, g, d, u, ratio, lg, fp, lr])
 
 
 def moved_changes(c: TensorColumns, known: Mapping[int, int]) -> dict[int, int]:

@@ -36,6 +36,18 @@ def reads_free(device: torch.device) -> bool:
     return device.type in FREE_READ_DEVICES
 
 
+def host_number(value: object) -> float | None:
+    """``value`` (a param group's lr, say) as a float when the host can read it without a device sync: a Python
+    number, or a one-value tensor on a device whose reads are free; None for a tensor held on an accelerator and
+    for anything that is not a number."""
+    if isinstance(value, torch.Tensor) and not reads_free(value.device):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor (FSDP2, tensor parallelism), else the
     tensor itself. No communication."""

@@ -79,7 +79,7 @@ STEP_COLS = ("rank", "step", "wall_time", "step_ms", "probe_ms", "sampled")
 MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "absmax", "zero_frac",
               "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
 PSTAT_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm", "update_norm", "update_ratio",
-              "local_grad_norm", "fingerprint")
+              "local_grad_norm", "fingerprint", "lr")
 FINDING_COLS = ("rank", "code", "path", "severity", "module_id", "message", "fix", "evidence",
                 "first_step", "last_step", "active", "count", "cause_code", "cause_path")
 RANK_COLS = ("rank", "world_size", "hostname", "pid", "model_class", "torch_version", "python_version",

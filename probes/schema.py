@@ -42,7 +42,7 @@ __all__ = ["CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STO
            "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
            "status_path", "store_filename"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIN_READ_VERSION = 1          # the oldest store version readers still open
 
 # ---------------------------------------------------------------------------------- file names
@@ -324,7 +324,7 @@ def _little_endian(a: array.array[int]) -> array.array[int]:
 
 
 def decode_hist(value: bytes | str | None) -> list[int] | None:
-    """The counts of a stored histogram: the uint16 blob of schema 2, or the JSON list of schema 1."""
+    """The counts of a stored histogram: the uint16 blob of schema 2 on, or the JSON list of schema 1."""
     if value is None:
         return None
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -403,7 +403,7 @@ CREATE TABLE IF NOT EXISTS params (
     in_optimizer  INTEGER NOT NULL,  -- 1: held by a watched optimizer's param group
     opt_index     INTEGER,           -- which optimizer (position in the list given to watch)
     opt_group     INTEGER,           -- which param group
-    lr            REAL,
+    lr            REAL,              -- its group's at the index's build (NULL: a tensor on an accelerator)
     aliases       TEXT,              -- JSON list of other names of the same tensor (tied weights)
     moved         INTEGER,           -- 1 once an update changed it, 0 if observed unchanged, NULL unknown
     PRIMARY KEY (rank, param_id)
@@ -449,6 +449,8 @@ CREATE TABLE IF NOT EXISTS param_stats (
     update_ratio    REAL,            -- update_norm / data_norm
     local_grad_norm REAL,            -- v2: this rank's own gradient as backward produced it (before all-reduce)
     fingerprint     REAL,            -- v2: sum of a few fixed strided values (replicas must agree on it)
+    lr              REAL,            -- v3: its param group's learning rate at this optimizer step (schedulers
+                                     -- change it; params.lr is the one at the index's build); NULL: no optimizer
     PRIMARY KEY (rank, param_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS param_stats_by_step ON param_stats(rank, step);
@@ -487,7 +489,7 @@ TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats", "param_
 # Columns added after version 1: readers of an older store read them as NULL (or the default).
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
     "ranks": (("write_errors", "0"), ("last_error", "NULL")),
-    "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL")),
+    "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
     "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
 })
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import measure
 from .schema import ModuleKind, TensorKind, attr_path, item_path, key_path, member_path
 
 # Attributes every nn.Module carries for its own bookkeeping: never user data.
@@ -400,11 +401,8 @@ class _Builder:
         stale: list[StaleTensor] = []
         for oi, opt in enumerate(self.optimizers):
             for gi, group in enumerate(opt.param_groups):
-                lr = group.get("lr")
-                try:
-                    lr = float(lr) if lr is not None else None
-                except (TypeError, ValueError):
-                    lr = None
+                # not read when held on an accelerator (a sync); every sampled step's param_stats.lr has it
+                lr = measure.host_number(group.get("lr"))
                 for pi, p in enumerate(group.get("params", ())):
                     node = self.tensor_by_id.get(id(p))
                     if node is None:

@@ -296,7 +296,7 @@ def test_module_series_histograms_and_params(runs):
     w = params["weight"]
     assert (w["path"], w["shape"], w["kind"], w["in_optimizer"], w["in_state_dict"], w["moved"]) == \
         (f"{BLOCKS[0]}.weight", [16, 16], "tensor", 0, 0, 0)
-    assert w["grad_norm"] > 0 and w["update_norm"] == 0 and w["stat_step"] == STEPS - 1
+    assert w["grad_norm"] > 0 and w["update_norm"] == 0 and w["stat_step"] == STEPS - 1 and w["lr"] is None
     stem = {p["name"]: p for p in s.module_params(0, by_path(s, "stem")["module_id"])}["weight"]
     assert (stem["kind"], stem["in_optimizer"], stem["opt_index"], stem["opt_group"], stem["lr"], stem["moved"]) == \
         ("parameter", 1, 0, 0, pytest.approx(0.1), 1)
@@ -413,6 +413,46 @@ def test_a_real_store_as_version_1(runs, tmp_path):
     assert old.overview()["findings"] == new.overview()["findings"] and old.overview()["write_errors"] == 0
     blk = by_path(old, BLOCKS[0])["module_id"]
     assert [p["local_grad_norm"] for p in old.module_params(0, blk)] == [None, None]
+    stem = by_path(old, "stem")["module_id"]        # no lr per step: the one the index was built with
+    assert [p["lr"] for p in old.module_params(0, stem)] == [pytest.approx(0.1)] * 2
+
+
+def test_the_learning_rate_a_scheduler_sets_is_stored_per_step(tmp_path):
+    """The params table holds the lr its param group had when the model was indexed; a scheduler changes it every
+    step (a warmup from 0), so each sampled step stores its own, and the parameter table shows the latest."""
+    torch.manual_seed(0)
+    model = zoo.MLP(din=8, hidden=16, dout=2, depth=1)
+    opt = torch.optim.SGD([{"params": model.net[0].parameters(), "lr": 0.1},
+                           {"params": model.net[2].parameters(), "lr": 0.01}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    used: list[list[float]] = []                    # each step's lr per group, as the optimizer step read it
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        used.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+        return loss.detach()
+    train(tmp_path, model, opt, step, steps=6)
+    assert [lrs[0] for lrs in used] == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
+    s = Store.open_run(tmp_path)
+    con = sqlite3.connect(store_file(tmp_path))
+    try:
+        stored = con.execute("SELECT p.path, s.step, s.lr FROM param_stats s JOIN params p USING (rank, param_id) "
+                             "ORDER BY s.step, p.path").fetchall()
+        indexed = dict(con.execute("SELECT path, lr FROM params").fetchall())
+    finally:
+        con.close()
+    group = {"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 1, "net.2.bias": 1}
+    assert stored == [(path, step, pytest.approx(used[step][group[path]]))
+                      for step in range(6) for path in sorted(group)]
+    assert indexed == {"net.0.weight": 0.0, "net.0.bias": 0.0, "net.2.weight": 0.0, "net.2.bias": 0.0}
+    shown = {p["path"]: p["lr"] for m in ("net.0", "net.2") for p in s.module_params(0, by_path(s, m)["module_id"])}
+    assert shown == {"net.0.weight": pytest.approx(0.1), "net.0.bias": pytest.approx(0.1),
+                     "net.2.weight": pytest.approx(0.01), "net.2.bias": pytest.approx(0.01)}
 
 
 # -- the queries behind a run of several ranks, on a real store ------------------------------------------------

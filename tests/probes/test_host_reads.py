@@ -141,22 +141,29 @@ def test_the_count_sees_the_reads_the_cpu_path_makes(tmp_path, host_reads):
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 def test_a_learning_rate_held_as_a_tensor_is_read_with_the_copy(tmp_path, request, host_reads, path):
     """Fused optimizers take the learning rate as a tensor, on the device: it is fetched with the step's values
-    (no read in the optimizer hook), and a group whose lr is 0 is still named as the reason it does not update."""
+    (no read in the optimizer hook, nor when the model is indexed) and stored with each sampled step, and a group
+    whose lr is 0 is still named as the reason it does not update."""
     if path == "accelerator":
         request.getfixturevalue("accelerator_path")
     model = zoo.MLP(din=8, hidden=16, dout=2, depth=1)
     opt = torch.optim.Adam([{"params": model.net[0].parameters(), "lr": torch.tensor(1e-2)},
                             {"params": model.net[2].parameters(), "lr": torch.tensor(0.0)}])
     g = torch.Generator().manual_seed(0)
-    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
-        with host_reads:
-            for _ in range(4):
-                x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
+    with host_reads, probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        for _ in range(4):
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
         found = [f for f in w.findings() if f.code == "not-updating"]
     assert codes(found) == {("not-updating", "net.2.weight"), ("not-updating", "net.2.bias")}
     assert all(f.evidence["lr"] == 0.0 and f.evidence["param_group"] == 1 for f in found)
+    con = sqlite3.connect(w.store_path)
+    try:
+        stored = {(path, round(lr, 6)) for path, lr in
+                  con.execute("SELECT p.path, s.lr FROM param_stats s JOIN params p USING (rank, param_id)")}
+    finally:
+        con.close()
+    assert stored == {("net.0.weight", 0.01), ("net.0.bias", 0.01), ("net.2.weight", 0.0), ("net.2.bias", 0.0)}
     if path == "accelerator":
         assert dict(host_reads.reads) == {}

@@ -210,7 +210,7 @@ def test_full_disk_at_start_is_a_clear_error_and_leaves_no_file(tiny_filesystem)
     assert [p.name for p in (fs / "run").iterdir()] == []
 
 
-def test_a_version_1_store_written_again_gets_the_version_2_columns(tmp_path, monkeypatch):
+def test_a_version_1_store_written_again_gets_the_columns_added_since(tmp_path, monkeypatch):
     """Reusing a run id on a store of modscope 0.1 (schema 1) upgrades it instead of writing rows its
     tables cannot hold."""
     from probes.schema import ADDED_COLUMNS, store_filename
@@ -230,8 +230,9 @@ def test_a_version_1_store_written_again_gets_the_version_2_columns(tmp_path, mo
     with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
         train(model, opt, w, 3, xor_batches())
     assert w.store_path == store
-    assert rows(store, "PRAGMA user_version") == [(2,)]
+    assert rows(store, "PRAGMA user_version") == [(probes.SCHEMA_VERSION,)]
     assert rows(store, "SELECT COUNT(*) FROM findings WHERE cause_code='unregistered-module'")[0][0] > 0
+    assert rows(store, "SELECT COUNT(*) FROM param_stats WHERE lr = 1e-2")[0][0] > 0          # version 3
     assert rows(store, "SELECT write_errors FROM ranks") == [(0,)]
 
 
