@@ -149,6 +149,9 @@ class UpdateBaseline:
 class StepRecord:
     """Everything gathered during one sampled step."""
 
+    # the index its ids were taken from (it is decoded with it: a rebuild may have dropped some of them since)
+    index: ModelIndex | None = None
+
     measurements: measure.StepMeasurements = dataclasses.field(default_factory=measure.StepMeasurements)
     calls: dict[int, int] = dataclasses.field(default_factory=dict)            # module id -> calls
     rows: dict[int, list[CallRecord]] = dataclasses.field(default_factory=dict)  # module id -> measured calls
@@ -180,6 +183,8 @@ class StepRecord:
     fingerprints: PerTensor = dataclasses.field(default_factory=PerTensor)        # replicas must agree
     local_grads: dict[int, int] = dataclasses.field(default_factory=dict)           # tensor -> slot (own grad)
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
+    # id() of every module of the model as it is now, made once a step when a module the index does not know runs
+    registered: set[int] | None = None
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
     # leaves given a gradient-hook dict of our own (they had none): (tensor, the dict)
@@ -235,6 +240,8 @@ class StepCapture:
         self.index: ModelIndex | None = None
         self.record: StepRecord | None = None
         self.closed = False
+        # a module added to the model (or swapped in) since the index was built ran: the watcher rebuilds the index
+        self.index_stale = False
         self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
         self.updates = tensor_stats.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}      # (module id, output ndim) -> its unit dimension
@@ -306,7 +313,7 @@ class StepCapture:
             self._layouts.clear()
             self._grad_hooks = None
         self.index = index
-        rec = self.record = StepRecord()
+        rec = self.record = StepRecord(index=index)
         if self.compiled:
             self._run_eagerly(rec)
         trigger = self._eager(self.on_trigger)
@@ -480,11 +487,23 @@ class StepCapture:
         if mid is None:
             if not rec.stack:
                 return            # a module of another model
+            if self._registered_now(rec, index, module):
+                # registered since the index was built (a head added, a block swapped): not run-time, and not
+                # measured until the index that names it is built, at the end of this step
+                self.index_stale = True
+                return
             mid, node = self.runtime_modules.discover(module, rec.stack[-1], index, rec.sightings,
                                                       self.probe.step)
             if node is not None:
                 self.on_new_module(node)
         rec.stack.append(mid)
+
+    @staticmethod
+    def _registered_now(rec: StepRecord, index: ModelIndex, module: nn.Module) -> bool:
+        if rec.registered is None:
+            root = index.modules[index.root_id].module
+            rec.registered = set() if root is None else {id(m) for m in root.modules()}
+        return id(module) in rec.registered
 
     def on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         rec, index = self.record, self.index
@@ -527,14 +546,18 @@ class StepCapture:
         numel = x.numel()
         # wrappers (Sequential, the root, in-place activations' callers) often return the very tensor
         # a child returned: measure it once and share the row
-        key: OutputKey = (id(x), x._version, x.data_ptr(), x.shape)
+        try:
+            version = x._version
+        except RuntimeError:    # made under torch.inference_mode (validation): no version counter, nothing to keep
+            version = -1
+        key: OutputKey = (id(x), version, x.data_ptr(), x.shape)
         seen = rec.measured.get(key)
         if seen is not None and not others and seen[1]() is x:
             rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel))
             if key in rec.grad_targets:
                 rec.grad_targets[key].append(mid)
             return
-        if numel <= batch.SMALL_OUTPUT and not others:
+        if numel <= batch.SMALL_OUTPUT and not others and version >= 0:
             # kept (or copied) now, reduced with the step's other small outputs at its end (one batch of kernels)
             shape, device = key[3], x.device
             small = self._small_layouts.get((mid, shape, dtype, device))

@@ -16,8 +16,10 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
     """Unregistered modules and tensors, optimizer membership, stale optimizer entries, frozen and shared
     parameters: everything the structure walk alone shows."""
     out: list[Finding] = []
-    modules = s.modules
-    for node in modules:
+    # by id, not position: a watcher's index gives modules run-stable ids, which stop matching positions in the
+    # list once a module is added or removed mid-run
+    modules = {n.module_id: n for n in s.modules}
+    for node in s.modules:
         if not node.top_level_unregistered or node.module is None:
             continue
         sub = node.module

@@ -254,6 +254,7 @@ class Watcher:
     # ===================================================================== the model index
     def _rebuild(self, model: nn.Module) -> ModelIndex:
         self._capture.clear()            # cached views must not outlive the index's tensors
+        self._capture.index_stale = False
         index = build_index(model, self._optimizers, self._ids, self._runtime.nodes())
         step = self._probe.step
         self._evaluator.static = structural_findings(index.structure, step=step)
@@ -278,7 +279,7 @@ class Watcher:
         model = self._model_ref()
         if model is None or self._closed:
             return
-        if model_signature(model, self._optimizers) != self._index.signature or \
+        if self._capture.index_stale or model_signature(model, self._optimizers) != self._index.signature or \
                 self._sample_index % REBUILD_EVERY == 0:
             self._index = self._rebuild(model)
 
@@ -365,7 +366,7 @@ class Watcher:
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._store.sampled(step)
-        decoded, ops = self._evaluator.decode(step, rec, values, self._index)
+        decoded, ops = self._evaluator.decode(step, rec, values, rec.index or self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
         self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.findings(),

@@ -16,7 +16,7 @@ def errors(w):
     return [str(f) for f in w.findings() if f.code not in EXPECTED]
 
 
-def run_with_validation(model, opt, w, steps, batch_fn, loss_fn):
+def run_with_validation(model, opt, w, steps, batch_fn, loss_fn, no_grad=torch.no_grad):
     for step in range(steps):
         x, y = batch_fn()
         loss = loss_fn(model(x), y)
@@ -24,19 +24,22 @@ def run_with_validation(model, opt, w, steps, batch_fn, loss_fn):
         loss.backward()
         opt.step()
         w.step(loss)
-        if step % 2 == 1:                      # validation done right: eval + no_grad
+        if step % 2 == 1:                      # validation done right: eval + no_grad (or inference_mode)
             model.eval()
-            with torch.no_grad():
+            with no_grad():
                 model(batch_fn()[0])
             model.train()
 
 
-def test_resnet_with_inplace_relu_and_batchnorm(run_dir):
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_resnet_with_inplace_relu_and_batchnorm(run_dir, no_grad):
+    """Validated under no_grad, and under inference_mode (Lightning's default), whose tensors have no version
+    counter: the hooks must not ask for it."""
     model = zoo.ResNetSmall()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     batch = lambda: (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        run_with_validation(model, opt, w, 5, batch, F.cross_entropy)
+        run_with_validation(model, opt, w, 5, batch, F.cross_entropy, no_grad)
         assert errors(w) == []
         assert not w.probe_errors, w.probe_errors
         assert not [f for f in w.findings() if f.code == "train-mode-under-no-grad"]
