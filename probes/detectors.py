@@ -49,6 +49,11 @@ class BypassCandidate:
 
     tensor_id: int
     module_ids: tuple[int, ...]
+    # a child of one of them was called through __call__: their .forward() was called directly. Otherwise (a leaf
+    # module) its parameters may as well have been read directly (module.weight)
+    forward_called: bool = True
+    # ... and it is an embedding table, often kept only to hold its weight (DETR's queries, a sliced position table)
+    table: bool = False
 
 
 class ModelView(Protocol):

@@ -22,6 +22,7 @@ from .findings import Finding
 from .model_index import ModelIndex
 from .records import Op
 from .sentinels import ForwardLog
+from .structure import ModuleNode
 from .tracker import FindingTracker
 
 
@@ -116,13 +117,23 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
     # in one C-level pass, whether each tensor's first owner was called: then it is no candidate (the common case)
     first_called = list(map(calls.get, map(_FIRST, owners_of)))
     out = []
+    parents_of_called: set[int] | None = None
     for i in [i for i, n in enumerate(first_called) if not n]:
         owners = owners_of[i]
         if owners is _NOBODY:
             continue
         if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
-            out.append(BypassCandidate(arrived[i], owners))
+            if parents_of_called is None:          # made once, in the rare step that has a candidate
+                parents_of_called = {node.parent_id for m in calls if (node := index.modules.get(m)) is not None
+                                     and node.parent_id is not None}
+            forward_called = any(m in parents_of_called for m in owners)
+            table = not forward_called and all(_is_table(index.modules.get(m)) for m in owners)
+            out.append(BypassCandidate(arrived[i], owners, forward_called, table))
     return out
+
+
+def _is_table(node: ModuleNode | None) -> bool:
+    return node is not None and node.type in ("Embedding", "EmbeddingBag") and node.type_module.startswith("torch.nn")
 
 
 _NOBODY: tuple[int, ...] = (-1,)      # the owners of a tensor no module owns (no module has id -1)

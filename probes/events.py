@@ -68,7 +68,8 @@ class EventBook:
         self._eval_step: Occurrence | None = None
         self._eval_step_modules: list[str] = []
         self._mismatch: dict[int, tuple[Occurrence, bool, bool]] = {}     # mid -> (seen, own flag, root flag)
-        self._bypass: dict[int, tuple[Occurrence, tuple[int, ...]]] = {}  # tensor id -> (seen, owners)
+        # tensor id -> (seen, owners, the evidence)
+        self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
         self._episodes: dict[str, tuple[NonFiniteOrigin, Occurrence, list[str]]] = {}   # by origin path
         self._open_episode: str | None = None     # the origin path of the episode going on now
 
@@ -133,9 +134,11 @@ class EventBook:
         for c in ev.bypass:
             seen_b = self._bypass.get(c.tensor_id)
             if seen_b is None:
-                self._bypass[c.tensor_id] = (Occurrence(step, step), c.module_ids)
+                self._bypass[c.tensor_id] = (Occurrence(step, step), c.module_ids, c)
             else:
                 seen_b[0].again(step)
+                if c.forward_called and not seen_b[2].forward_called:     # the stronger evidence wins
+                    self._bypass[c.tensor_id] = (seen_b[0], c.module_ids, c)
             self.changed = True
         flagged = {c.tensor_id for c in ev.bypass}
         for tid in [t for t in self._bypass if t not in flagged and t in ev.arrived]:
@@ -177,11 +180,11 @@ class EventBook:
             if view.has_module(mid):
                 out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
                                                            root_training, o.first, o.last, o.count))
-        for tid, (o, owners) in self._bypass.items():
+        for tid, (o, owners, c) in self._bypass.items():
             if view.tensor_known(tid):
                 names = [display_path(view.module_path(m)) for m in owners]
                 out.append(findings.forward_bypassed(view.module_path(owners[0]), view.tensor_path(tid), names,
-                                                     o.first, o.last, o.count))
+                                                     o.first, o.last, o.count, c.forward_called, c.table))
         for origin, o, later in self._episodes.values():
             out.append(findings.non_finite(origin, last_step=o.last, count=o.count, later=later))
         return out

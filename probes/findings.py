@@ -259,13 +259,23 @@ def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms
 
 
 def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str], first_step: int, step: int,
-                     count: int) -> Finding:
+                     count: int, forward_called: bool = True, table: bool = False) -> Finding:
+    """``forward_called``: the module's children were called and it was not, so its .forward() was called
+    directly. Otherwise (a leaf module) its parameters may as well have been read directly; for an embedding table
+    that is usually by design (DETR's query embeddings, a position table sliced in forward): an info."""
+    seen = f"seen in {count:,} sampled step{'s' if count != 1 else ''} since step {first_step}"
+    if forward_called:
+        how = "someone called .forward() directly, so hooks (pruning masks, probes, FSDP) never ran"
+    else:
+        how = ("its .forward() was called directly or its parameters were read directly (module.weight, a "
+               "functional call), so its hooks (pruning masks, probes, FSDP's unsharding) did not run")
+        if table:
+            how += "; expected for a table kept to hold its weight"
     return make(FindingCode.FORWARD_BYPASSED, module_path,
                 f"{tensor_path} received a gradient in step {step}, but its module {modules[0]} was never called "
-                "through __call__ in that step: someone called .forward() directly, so hooks (pruning masks, "
-                f"probes, FSDP) never ran (seen in {count:,} sampled step{'s' if count != 1 else ''} since step "
-                f"{first_step}).", evidence={"parameter": tensor_path, "modules": list(modules)},
-                step=step, first_step=first_step, count=count)
+                f"through __call__ in that step: {how} ({seen}).",
+                evidence={"parameter": tensor_path, "modules": list(modules), "forward_called": forward_called},
+                severity=Severity.INFO if table else None, step=step, first_step=first_step, count=count)
 
 
 # ------------------------------------------------------------------------------------ modes

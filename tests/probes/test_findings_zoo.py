@@ -188,13 +188,50 @@ def test_divergence_to_nan_is_one_non_finite_finding_not_dead_layers(run_dir):
     assert [f.path for f in found if f.code == "non-finite" and f.evidence["kind"] == "activation"] == ["net.0"]
 
 
+class GainBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+class BypassedBlockAndTables(nn.Module):
+    """A block whose .forward() is called directly (its child runs through __call__, it does not: certain), and
+    embedding tables read directly, as DETR reads its queries and GPT-2-like code slices learned positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = GainBlock()
+        self.queries = nn.Embedding(4, 8)
+        self.pos = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.block.forward(x) + self.pos.weight[:x.shape[0]] + self.queries.weight.mean(0)
+        return self.out(h)
+
+
 def test_forward_bypassed(run_dir):
+    """A leaf whose .forward() is called directly cannot be told from one whose weight is read directly: a warning
+    naming both, but an info for an embedding table; a module whose children ran without it: a warning."""
     model = zoo.Bypass()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
         train(model, opt, w, 2, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
         f = [f for f in w.findings() if f.code == "forward-bypassed"]
-    assert [g.path for g in f] == ["proj"]
+    assert [(g.path, g.severity, g.evidence["forward_called"]) for g in f] == [("proj", "warning", False)]
+    assert ".forward() was called directly or its parameters were read directly" in f[0].message
+    model = BypassedBlockAndTables()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir / "tables", every=1) as w:
+        train(model, opt, w, 2, lambda: (torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        found = sorted((g.path, g.evidence["parameter"], g.severity, g.evidence["forward_called"])
+                       for g in w.findings() if g.code == "forward-bypassed")
+    assert found == [("block", "block.gain", "warning", True), ("pos", "pos.weight", "info", False),
+                     ("queries", "queries.weight", "info", False)]
 
 
 def test_shared_parameter_is_info():
