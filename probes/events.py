@@ -68,6 +68,9 @@ class EventBook:
         self._eval_step: Occurrence | None = None
         self._eval_step_modules: list[str] = []
         self._mismatch: dict[int, tuple[Occurrence, bool, bool]] = {}     # mid -> (seen, own flag, root flag)
+        # a normalization layer ran in training mode with the model in the latest sampled step: the ones in eval
+        # are not all frozen on purpose (mmdetection's norm_eval, timm's freeze_bn freeze them all)
+        self._norm_trains = False
         # tensor id -> (seen, owners, the evidence)
         self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
         self._episodes: dict[str, tuple[NonFiniteOrigin, Occurrence, list[str]]] = {}   # by origin path
@@ -120,6 +123,8 @@ class EventBook:
     # -------------------------------------------------------------------------- sampled steps
     def observe_sample(self, ev: SampledEvents, view: ModelView) -> None:
         step = ev.step
+        self._norm_trains = any(training and root_training and _is_norm(view.module_type(mid))
+                                for mid, (training, root_training) in ev.modes.items())
         for mid, (training, root_training) in ev.modes.items():
             seen = self._mismatch.get(mid)
             if training != root_training:
@@ -176,10 +181,19 @@ class EventBook:
         if self._eval_step is not None:
             o = self._eval_step
             out.append(findings.train_step_in_eval_mode(self._eval_step_modules, o.first, o.last, o.count))
-        for mid, (o, training, root_training) in self._mismatch.items():
-            if view.has_module(mid):
-                out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
-                                                           root_training, o.first, o.last, o.count))
+        mismatch = {mid: m for mid, m in self._mismatch.items() if view.has_module(mid)}
+        frozen = [mid for mid, (_, training, root_training) in mismatch.items()
+                  if not training and root_training and _is_norm(view.module_type(mid))]
+        if frozen and not self._norm_trains:
+            # every normalization layer that ran is in eval while the model trains: frozen statistics, one finding
+            seen = [mismatch.pop(mid)[0] for mid in frozen]
+            out.append(findings.frozen_normalization([view.module_path(m) for m in frozen],
+                                                     sorted({view.module_type(m) for m in frozen}),
+                                                     min(o.first for o in seen), max(o.last for o in seen),
+                                                     max(o.count for o in seen)))
+        for mid, (o, training, root_training) in mismatch.items():
+            out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
+                                                       root_training, o.first, o.last, o.count))
         for tid, (o, owners, c) in self._bypass.items():
             if view.tensor_known(tid):
                 names = [display_path(view.module_path(m)) for m in owners]
@@ -233,3 +247,8 @@ def _copy(value: object) -> object:
     if isinstance(value, Occurrence):
         return dataclasses.replace(value)
     return value
+
+
+def _is_norm(type_name: str) -> bool:
+    """A normalization layer with running statistics (BatchNorm*, SyncBatchNorm, InstanceNorm* that track them)."""
+    return "BatchNorm" in type_name or "InstanceNorm" in type_name

@@ -147,6 +147,36 @@ def test_training_mode_mismatch_for_unregistered_dropout(run_dir):
     assert f[0].evidence == {"module_training": True, "root_training": False}
 
 
+def _train_with_norms_in_eval(model, opt, w, steps, frozen):
+    for _ in range(steps):
+        model.train()
+        for m in frozen(model):
+            m.eval()
+        loss = F.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.randint(0, 10, (4,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        w.step(loss)
+
+
+def test_batchnorm_frozen_on_purpose_is_one_info_and_one_left_in_eval_an_error(run_dir):
+    """Fine-tuning with every BatchNorm in eval (mmdetection's norm_eval, timm's freeze_bn) freezes their running
+    statistics on purpose: one info at the root. The same layers in eval while others train is the bug: errors."""
+    model = zoo.ResNetSmall()
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        _train_with_norms_in_eval(model, opt, w, 3, lambda m: norms)
+        found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
+        assert [(f.path, f.severity, f.evidence["n_modules"]) for f in found] == [("", "info", len(norms))]
+        assert "stem.1" in found[0].evidence["modules"] and "frozen" in found[0].message
+        _train_with_norms_in_eval(model, opt, w, 2, lambda m: m.layer1.modules())     # eval() left on one block
+        found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
+    assert {(f.path, f.severity) for f in found} == {         # the blocks too: user modules with state
+        *((f"layer1.{b}.{bn}", "error") for b in (0, 1) for bn in ("bn1", "bn2")), ("layer1.0", "error"),
+        ("layer1.1", "error")}
+
+
 def test_validation_in_train_mode_under_no_grad(run_dir):
     model = zoo.BNNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
