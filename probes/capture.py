@@ -173,6 +173,9 @@ class StepRecord:
     updates: PerTensor = dataclasses.field(default_factory=PerTensor)             # sampled, not scaled yet
     post: PerTensor = dataclasses.field(default_factory=PerTensor)                # data norm after the step
     baselines: dict[int, UpdateBaseline] = dataclasses.field(default_factory=dict)  # optimizer -> before
+    # optimizer -> the rows its embedding tables' gradient reached, before the step
+    touched: dict[int, tensor_stats.TouchedRows] = dataclasses.field(default_factory=dict)
+    table_updates: PerTensor = dataclasses.field(default_factory=PerTensor)      # change in those rows
     orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
     orphans_checked: bool = False
     modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
@@ -670,6 +673,11 @@ class StepCapture:
         self.measure_grads(rec, tids, known)
         rec.baselines[opt_index] = UpdateBaseline(tids, self.updates.take(
             known.tensors if known is not None else [index.tensor(t) for t in tids]))
+        tables = index.optimizer_tables(opt_index)
+        if tables:
+            touched = tensor_stats.touched_rows([index.tensor(t) for t in tables])
+            if touched is not None:
+                rec.touched[opt_index] = touched
 
     def _tensors_of(self, index: ModelIndex, ids: list[int]) -> IndexTensors | None:
         """The tensors of one of the index's own lists of ids (the same list object every step), read once
@@ -692,6 +700,11 @@ class StepCapture:
         baseline = rec.baselines.pop(opt_index, None)
         if baseline is not None:
             self.measure_updates(rec, baseline)
+        touched = rec.touched.pop(opt_index, None)
+        if touched is not None and self.index is not None:
+            tables = self.index.optimizer_tables(opt_index)
+            changes = tensor_stats.touched_changes([self.index.tensor(t) for t in tables], touched)
+            rec.table_updates.add(rec.measurements.add(changes), [tables[i] for i in touched.taken])
 
     def finish(self) -> StepRecord:
         """The end of a sampled step: gradients of tensors no optimizer stepped, and the change of the

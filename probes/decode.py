@@ -253,6 +253,7 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
     cols.grad_norm, cols.data_norm, cols.fingerprint = column(rec.grads), column(rec.data), column(rec.fingerprints)
     updates = column(rec.updates)
     after = rec.post.values(plain)
+    in_rows = rec.table_updates.values(plain) if rec.table_updates else {}
     for j, (tid, sampled) in enumerate(zip(tids, updates, strict=True)):
         if sampled is None:
             continue
@@ -261,6 +262,8 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
             post, data = after.get(tid), cols.data_norm[j]
             if post is not None and data is not None and post != data:
                 update = abs(post - data)
+            # an embedding table: the change in the rows its gradient reached (a lower bound, as the above)
+            update = max(update, in_rows.get(tid, 0.0))
         updates[j] = update
     cols.update_norm = updates
     cols.stale_grad_norm = first_value(rec.stale)

@@ -192,6 +192,21 @@ class ModelIndex:
         return self._by_optimizer.get(opt_index, [])
 
     @functools.cached_property
+    def _tables_by_optimizer(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for t in self._measurable:
+            owner = self.modules.get(t.module_id) if t.module_id is not None else None
+            if t.opt_index is not None and t.name == "weight" and owner is not None and \
+                    isinstance(owner.module, (nn.Embedding, nn.EmbeddingBag)) and \
+                    type(t.tensor).__name__ != "DTensor":        # a shard's rows: not worth a collective
+                out.setdefault(t.opt_index, []).append(t.param_id)
+        return out
+
+    def optimizer_tables(self, opt_index: int) -> list[int]:
+        """The embedding tables among an optimizer's tensors: their gradient reaches only some rows."""
+        return self._tables_by_optimizer.get(opt_index, [])
+
+    @functools.cached_property
     def update_scales(self) -> dict[int, float]:
         """Tensor id -> the factor from the norm of a sampled update to the whole tensor's
         (probes.tensor_stats.update_scale)."""

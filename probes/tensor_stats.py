@@ -178,6 +178,42 @@ def update_scale(numel: int) -> float:
     return math.sqrt(numel / k) if k else 0.0
 
 
+class TouchedRows(NamedTuple):
+    """Rows of embedding tables that received gradient this step, and their values before the optimizer step."""
+
+    taken: list[int]               # the positions, among the tables given, of those with a gradient
+    rows: list[torch.Tensor]       # per table taken: row indices (a device tensor)
+    before: list[torch.Tensor]     # per table taken: those rows' values, copied
+
+
+def touched_rows(tables: Sequence[torch.Tensor]) -> TouchedRows | None:
+    """Up to UPDATE_SAMPLE values of each 2-D table, in rows its gradient reaches (all on the device, no read).
+    An embedding's gradient reaches only the rows of the step's ids: the evenly spaced update sample of a large
+    table seldom meets one, and its data norm does not resolve their change (float32 resolution at its size), so
+    a table that changes every step would read as not updating."""
+    taken, rows, before = [], [], []
+    for i, t in enumerate(tables):
+        g = t.grad
+        if g is None or t.dim() != 2 or not t.shape[0] or not t.shape[1]:
+            continue
+        taken.append(i)
+        k = max(1, min(t.shape[0], UPDATE_SAMPLE // t.shape[1]))
+        # a dense gradient: the rows with the largest gradient in their first column, one value read per row (a
+        # reached row's gradient is dense within the row), not a pass over the whole gradient
+        idx = (g._indices()[0][:k] if g.is_sparse
+               else torch.topk(g.detach()[:, 0].abs(), k, sorted=False).indices)
+        rows.append(idx)
+        before.append(t.detach()[idx])          # advanced indexing: a copy
+    return TouchedRows(taken, rows, before) if taken else None
+
+
+def touched_changes(tables: Sequence[torch.Tensor], touched: TouchedRows) -> torch.Tensor:
+    """The norm of the change of each table :func:`touched_rows` took (the same list of tables), in its rows
+    (float32, on the device)."""
+    return torch.stack([torch.linalg.vector_norm(tables[i].detach()[idx].float() - b.float())
+                        for i, idx, b in zip(touched.taken, touched.rows, touched.before, strict=True)])
+
+
 class UpdateSampler:
     """Up to UPDATE_SAMPLE values of each tensor (the whole tensor when it is that small),
     copied before an optimizer step and compared after it: enough to estimate an update's norm

@@ -166,6 +166,66 @@ def test_a_warmup_from_lr_zero_is_not_a_finding(run_dir):
         assert w.findings() == []
 
 
+class BagOfIds(nn.Module):
+    """A large embedding table (recommendation models, large vocabularies): each step's ids reach a few hundred of
+    its 100,000 rows, which the evenly spaced update sample seldom meets."""
+
+    def __init__(self, rows=100_000, dim=32):
+        super().__init__()
+        self.table = nn.Embedding(rows, dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        return self.head(self.table(ids).mean(1))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "sparse-adam"])
+def test_a_large_table_updated_in_a_few_rows_is_updating(run_dir, optimizer):
+    torch.manual_seed(0)
+    model = BagOfIds()
+    if optimizer == "sparse-adam":
+        model.table.sparse = True
+        opts = [torch.optim.SparseAdam(model.table.parameters(), lr=1e-3),
+                torch.optim.Adam(model.head.parameters(), lr=1e-3)]
+    else:
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
+               else torch.optim.Adam(model.parameters(), lr=1e-3))
+        opts = [opt]
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opts, run_dir=run_dir, every=1) as w:
+        for _ in range(6):
+            ids, y = torch.randint(0, 100_000, (32, 8), generator=g), torch.randint(0, 2, (32,), generator=g)
+            loss = F.cross_entropy(model(ids), y)
+            for o in opts:
+                o.zero_grad()
+            loss.backward()
+            for o in opts:
+                o.step()
+            w.step(loss)
+        assert by_code(w, "not-updating") == [] and not w.probe_errors
+    updates = stored(w, "SELECT s.update_norm FROM param_stats s JOIN params p USING (rank, param_id) "
+                        "WHERE p.path = 'table.weight' ORDER BY s.step")
+    assert len(updates) == 6 and all(u > 0 for u, in updates)
+
+
+def test_a_large_table_with_lr_zero_is_not_updating(run_dir):
+    """The rows the gradient reaches did not change either: the table is reported."""
+    torch.manual_seed(0)
+    model = BagOfIds()
+    opt = torch.optim.SGD([{"params": model.table.parameters(), "lr": 0.0},
+                           {"params": model.head.parameters(), "lr": 0.1}])
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            ids, y = torch.randint(0, 100_000, (32, 8), generator=g), torch.randint(0, 2, (32,), generator=g)
+            loss = F.cross_entropy(model(ids), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert [f.path for f in by_code(w, "not-updating")] == ["table.weight"]
+
+
 # ------------------------------------------------------------------------- 6. one bug, one card
 def test_consequences_name_their_cause(run_dir):
     model = zoo.XORClassifier()
