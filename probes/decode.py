@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -30,7 +30,17 @@ _FIRST = operator.itemgetter(0)
 _SLOT, _ORDER = operator.attrgetter("slot"), operator.attrgetter("order")
 _TRAINING, _GRAD_ENABLED = operator.attrgetter("training"), operator.attrgetter("grad_enabled")
 _NUMEL = operator.attrgetter("numel")
-_DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("dead_frac", "sat_frac", "nonfinite"))
+_MEAN, _DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("mean", "dead_frac", "sat_frac", "nonfinite"))
+
+
+class NonFiniteModule(NamedTuple):
+    """A module that produced non-finite values in a sampled step."""
+
+    module_id: int
+    values: int                    # NaN/Inf values
+    # only -inf (no NaN or +inf: its mean is then -inf), as masking writes (masked_fill(mask, -inf) before a
+    # softmax or a loss): harmless unless NaN or Inf follow
+    minus_inf_only: bool
 
 
 @dataclasses.dataclass
@@ -54,14 +64,15 @@ class ModuleColumns:
     grad_enabled: list[bool] = dataclasses.field(default_factory=list)
     hist: list[bytes] = dataclasses.field(default_factory=list)     # as stored (schema.encode_hist)
 
-    def nonfinite_in_order(self) -> list[tuple[int, int]]:
-        """(module id, NaN/Inf count) of the modules that produced non-finite values, in execution order."""
+    def nonfinite_in_order(self) -> list[NonFiniteModule]:
+        """The modules that produced non-finite values, in execution order."""
         counts = self.stats[:, _NONFINITE]
         rows = counts.nonzero().flatten().tolist()
         if not rows:
             return []
-        bad = sorted((self.order[i], self.module_ids[i], int(counts[i])) for i in rows)
-        return [(m, n) for _, m, n in bad]
+        means = self.stats[:, _MEAN]
+        bad = sorted((self.order[i], self.module_ids[i], int(counts[i]), bool(means[i] == -math.inf)) for i in rows)
+        return [NonFiniteModule(m, n, minus_inf) for _, m, n, minus_inf in bad]
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from . import findings
+from .decode import NonFiniteModule
 from .detectors import BypassCandidate, ModelView
 from .findings import Finding, NonFiniteOrigin
 from .schema import display_path
@@ -52,7 +53,7 @@ class SampledEvents:
     arrived: frozenset[int]                     # tensors a gradient reached
     owners: Mapping[int, tuple[int, ...]]       # tensor id -> modules owning it
     bypass: Sequence[BypassCandidate]
-    bad_modules: Sequence[tuple[int, int]]      # (module id, NaN/Inf count) in execution order
+    bad_modules: Sequence[NonFiniteModule]      # in execution order
     bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
     optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
 
@@ -116,7 +117,7 @@ class EventBook:
             self._open_episode = None
             return
         if self._open_episode is not None:
-            self._continue_episode(step, "the loss")
+            self._continue_episode(step, False, "the loss")
             return
         self._start_episode(NonFiniteOrigin("loss", "", step, values_text=repr(value)))
 
@@ -154,13 +155,16 @@ class EventBook:
         if not ev.bad_modules and not grads:
             self._open_episode = None
             return
+        # -inf alone, with finite gradients, is masking: an episode of its own kind, until NaN or Inf follow
+        masking = not grads and all(b.minus_inf_only for b in ev.bad_modules)
         if self._open_episode is not None:
-            self._continue_episode(step, *(view.module_path(m) for m, _ in ev.bad_modules[:3]))
+            self._continue_episode(step, masking, *(view.module_path(b.module_id) for b in ev.bad_modules[:3]))
             return
         if ev.bad_modules:
-            first, values = ev.bad_modules[0]
-            affected = tuple(view.module_path(m) for m, _ in ev.bad_modules)
-            self._start_episode(NonFiniteOrigin("activation", view.module_path(first), step, values, affected))
+            first = ev.bad_modules[0]
+            affected = tuple(view.module_path(b.module_id) for b in ev.bad_modules)
+            self._start_episode(NonFiniteOrigin("activation", view.module_path(first.module_id), step, first.values,
+                                                affected, masking=masking))
         else:
             tid = grads[-1]                           # the last tensor in forward order gets its gradient first
             owner = view.tensor_module(tid)
@@ -221,20 +225,31 @@ class EventBook:
         known = self._episodes.get(origin.path)
         if known is None:
             self._episodes[origin.path] = (origin, Occurrence(origin.step, origin.step), [])
-        elif known[1].last != origin.step:
-            known[1].again(origin.step)
+        else:
+            if known[1].last != origin.step:
+                known[1].again(origin.step)
+            if known[0].masking and not origin.masking:
+                self._escalate(origin.path)
         self._open_episode = origin.path
         self.changed = True
 
-    def _continue_episode(self, step: int, *where: str) -> None:
+    def _continue_episode(self, step: int, masking: bool, *where: str) -> None:
         assert self._open_episode is not None
-        _, seen, later = self._episodes[self._open_episode]
+        origin, seen, later = self._episodes[self._open_episode]
         if seen.last != step:                          # counted in steps: the loss and a sample of one step are one
             seen.again(step)
+        if origin.masking and not masking:
+            self._escalate(self._open_episode)
         for w in where:
-            if w not in later and w != self._open_episode:
-                later.append(display_path(w))
+            shown = display_path(w)
+            if shown not in later and w != self._open_episode:
+                later.append(shown)
         self.changed = True
+
+    def _escalate(self, path: str) -> None:
+        """NaN or Inf came after an episode of -inf alone: it was no harmless masking."""
+        origin, seen, later = self._episodes[path]
+        self._episodes[path] = (dataclasses.replace(origin, masking=False), seen, later)
 
 
 def _copy(value: object) -> object:

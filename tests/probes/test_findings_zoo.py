@@ -206,6 +206,60 @@ def test_non_finite_names_the_first_producer(run_dir):
     assert nf[0].evidence["modules_affected"] >= 2      # out and the root inherit it
 
 
+def test_a_non_finite_episode_names_what_later_steps_saw_once(run_dir):
+    """A log of negative values from the fourth step on (bench.stored_stats' model)."""
+    from bench.stored_stats import TurnsNonFinite
+    model = TurnsNonFinite()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 6, lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,))))
+        (nf,) = [f for f in w.findings() if f.code == "non-finite"]
+    assert (nf.path, nf.first_step, nf.count) == ("head", 3, 3)
+    later = nf.evidence["later"]
+    assert "<root>" in later and len(set(later)) == len(later)
+
+
+class MaskedPolicy(nn.Module):
+    """Invalid actions masked with -inf before the loss (reinforcement learning's action masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.pi = MaskedLogits()
+
+    def forward(self, x):
+        return self.pi(torch.relu(self.body(x)))
+
+
+class MaskedLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+        self.mask_all = False          # every action of the first row invalid: its log-softmax is NaN
+
+    def forward(self, h):
+        mask = torch.zeros(h.shape[0], 4, dtype=torch.bool)
+        mask[:, 3] = True
+        if self.mask_all:
+            mask[0] = True
+        return self.lin(h).masked_fill(mask, float("-inf"))
+
+
+def test_minus_inf_masking_is_an_info_until_nan_follows(run_dir):
+    model = MaskedPolicy()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batch = lambda: (torch.randn(16, 8), torch.randint(0, 3, (16,)))        # targets among the valid actions
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, batch)
+        nf = [f for f in w.findings() if f.code == "non-finite"]
+        assert [(f.path, f.severity, f.evidence["masking"]) for f in nf] == [("pi", "info", True)]
+        assert "-inf values" in nf[0].message and not w.probe_errors
+        model.pi.mask_all = True
+        train(model, opt, w, 2, batch)
+        nf = [f for f in w.findings() if f.code == "non-finite"]
+    assert nf and all(f.severity == "error" for f in nf)
+
+
 def test_divergence_to_nan_is_one_non_finite_finding_not_dead_layers(run_dir):
     model = zoo.MLP(din=8, hidden=16, dout=2, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
