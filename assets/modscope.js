@@ -5,7 +5,7 @@
 //    "ui-click" store, whose server callback updates the selection / expanded nodes / URL.
 //    (One pattern-matching callback input per row made large trees slow to render.)
 // 2. Opening a finding's "evidence" (or its folded consequences) must not also open its module;
-//    a consequence card inside the folded list opens its own module.
+//    a consequence card inside the folded list opens its own module (what stays open: 3.).
 // Keyboard: Enter or Space on a focused clickable element acts like a click.
 document.addEventListener("keydown", function (e) {
   if ((e.key === "Enter" || e.key === " ") && e.target && e.target.getAttribute &&
@@ -29,7 +29,22 @@ document.addEventListener("click", function (e) {
   }});
 });
 
-// 3. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);
+// 3. What the user opened on the Findings page (a finding's evidence, its folded consequences) stays
+//    open when the list is drawn again (every poll while a run trains). Such a <details> carries
+//    data-open-key and data-open (the state it was drawn in); a toggle that leaves it in another state
+//    than the server last knew goes to the "findings-toggle" store (dashboard/pages/findings.py), which
+//    keeps the key and draws it so. A <details> drawn open fires "toggle" too: not reported again.
+document.addEventListener("toggle", function (e) {
+  var d = e.target;
+  var key = d && d.getAttribute ? d.getAttribute("data-open-key") : null;
+  if (!key || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
+  var known = d._modscopeOpen !== undefined ? d._modscopeOpen : d.getAttribute("data-open") === "true";
+  if (d.open === known) { return; }
+  d._modscopeOpen = d.open;
+  window.dash_clientside.set_props("findings-toggle", {data: {key: key, open: d.open, t: Date.now()}});
+}, true);
+
+// 4. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);
 //    this draws it. Every string goes through textContent / setAttribute, never innerHTML.
 (function () {
   function span(cls, text, attrs) {

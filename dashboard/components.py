@@ -5,7 +5,7 @@ renders as text, never as HTML."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -99,12 +99,30 @@ def card(label: str, value: Any, sub: Any = None, cls: str = "") -> html.Div:
                     className=f"card {cls}".strip())
 
 
-def evidence_block(evidence: Any) -> html.Details | None:
+def details_key(part: str, f: Mapping[str, Any]) -> str:
+    """What names a finding's ``<details>`` (``part``: "evidence" or "consequences") over redraws:
+    the part, the finding's code and its path."""
+    return json.dumps([part, str(f.get("code") or ""), str(f.get("path") or "")], separators=(",", ":"))
+
+
+def details(children: list[Any], cls: str, key: str | None, opened: Collection[str] | None) -> html.Details:
+    """An ``<details>``; with ``opened`` (the keys the user opened), one that stays as the user left it
+    when it is drawn again: open when ``key`` is in ``opened``, and marked for assets/modscope.js, which
+    reports the user's toggles (``data-open-key``; ``data-open`` is the state it was drawn in)."""
+    if opened is None or key is None:
+        return html.Details(children, className=cls)
+    is_open = key in opened
+    return html.Details(children, className=cls, open=is_open,
+                        **{"data-open-key": key, "data-open": "true" if is_open else "false"})
+
+
+def evidence_block(evidence: Any, *, key: str | None = None, opened: Collection[str] | None = None
+                   ) -> html.Details | None:
     if not evidence:
         return None
     text = json.dumps(evidence, indent=2, sort_keys=True, default=str) if not isinstance(evidence, str) \
         else evidence
-    return html.Details([html.Summary("evidence"), html.Pre(text, className="evidence")], className="evidence-box")
+    return details([html.Summary("evidence"), html.Pre(text, className="evidence")], "evidence-box", key, opened)
 
 
 def table(headers: list[str], rows: list[list[Any]], cls: str = "") -> html.Table:
@@ -152,12 +170,13 @@ Attrs = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
 def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: Attrs | None = None,
-                 folded: bool = False, **attrs: Any) -> html.Div:
+                 folded: bool = False, opened: Collection[str] | None = None, **attrs: Any) -> html.Div:
     """One finding: severity and code, path, the ranks it occurs on (``show_ranks``), how often and
     when it was seen, message, fix, evidence, and (a root cause) its consequences folded under it: "4
     consequences", opened on demand. ``attrs`` (or ``attrs_of(f)``, also given each consequence) go to
     the outer Div (e.g. click attributes); its class marks severity and resolved ones. A consequence
-    shown on its own (its cause is not listed) names its cause."""
+    shown on its own (its cause is not listed) names its cause. With ``opened`` (keys of
+    :func:`details_key`) the evidence and the consequences are drawn as the user left them."""
     own = dict(attrs_of(f)) if attrs_of is not None else {}
     own.update(attrs)
     sev = severity_of(f["severity"])
@@ -177,9 +196,9 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: At
         html.Div(f["message"], className="finding-message"),
         html.Div(cause, className="finding-cause") if cause else None,
         html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
-        evidence_block(f.get("evidence")),
-        html.Details([html.Summary(consequences_text(len(consequences)), className="consequences-toggle"),
-                      html.Div([finding_card(c, show_ranks=show_ranks, attrs_of=attrs_of, folded=True)
-                                for c in consequences], className="consequences-list")],
-                     className="consequences") if consequences else None,
+        evidence_block(f.get("evidence"), key=details_key("evidence", f), opened=opened),
+        details([html.Summary(consequences_text(len(consequences)), className="consequences-toggle"),
+                 html.Div([finding_card(c, show_ranks=show_ranks, attrs_of=attrs_of, folded=True, opened=opened)
+                           for c in consequences], className="consequences-list")],
+                "consequences", details_key("consequences", f), opened) if consequences else None,
     ], className=cls, **own)

@@ -56,6 +56,9 @@ DETAIL_STATE = "detail-state"  # {"module_id", "last"} for incremental updates
 FINDINGS_LIST = "findings-list"
 FINDINGS_SEVERITY = "findings-severity"
 FINDINGS_SHOW_RESOLVED = "findings-show-resolved"
+FINDINGS_OPEN = "findings-open"        # keys of the opened <details> (components.details_key), kept over redraws
+FINDINGS_TOGGLE = "findings-toggle"    # {"key", "open", "t"}: a <details> the user opened or closed
+                                       # (written by assets/modscope.js)
 
 # compare page
 CMP_SUMMARY = "cmp-summary"

@@ -115,8 +115,9 @@ def header_runs(config: AppConfig) -> list[dict[str, str]]:
         return run_options([])
 
 
-def nav(pages: tuple[Page, ...]) -> html.Nav:
-    return html.Nav([dcc.Link([page.label, html.Span(id=ids.NAV_COUNT, className="nav-count")]
+def nav(pages: tuple[Page, ...], count: tuple[str, str] = ("", "nav-count")) -> html.Nav:
+    """The navigation; the page that counts findings carries ``count`` (text, class: :func:`findings_count`)."""
+    return html.Nav([dcc.Link([page.label, html.Span(count[0], id=ids.NAV_COUNT, className=count[1])]
                               if page.counts_findings else page.label,
                               href=page.href, className="nav-link", id=ids.nav_link(page.href))
                      for page in pages], id=ids.NAV, className="nav")
@@ -148,7 +149,8 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
     header = html.Header([
         html.Div([html.Span("mod", className="brand-a"), html.Span("scope", className="brand-b")],
                  className="brand"),
-        nav(pages),
+        nav(pages, initial_findings_count(config, tick) if any(p.counts_findings for p in pages)
+            else ("", "nav-count")),
         html.Div(subtitle, className="subtitle"),
         html.Div([
             dcc.Dropdown(id=ids.RUN, options=runs, value=NEWEST, clearable=False, searchable=False,
@@ -178,6 +180,23 @@ def findings_count(counts: dict[str, int]) -> tuple[str, str]:
     total = sum(counts.values())
     worst = next((s for s in Severity if counts.get(s)), None)
     return (str(total) if total else ""), f"nav-count sev-{worst.value}" if worst else "nav-count"
+
+
+def active_findings_count(config: AppConfig, tick: Tick) -> tuple[str, str]:
+    """The count next to "Findings" for the run and rank ``tick`` shows (its active root causes)."""
+    run, rank = view_of(config, tick)
+    return findings_count(root_counts(fold_causes(run.findings_merged(active=True, rank=rank))))
+
+
+def initial_findings_count(config: AppConfig, tick: Tick) -> tuple[str, str]:
+    """The count the page is loaded with. The shell's callbacks only follow changes of the tick: where
+    nothing changes (a closed run, a snapshot) the count drawn here is the one shown."""
+    if not tick.ready:
+        return "", "nav-count"
+    try:
+        return active_findings_count(config, tick)
+    except StoreError:
+        return "", "nav-count"
 
 
 def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> None:
@@ -218,11 +237,12 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
         return header_text(Tick.from_data(tick))
 
     @callback(app, Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
-                  Input(ids.TICK, "data"))
+                  Input(ids.TICK, "data"), prevent_initial_call=True)
     @reads_store(source, waiting=lambda _text: ("", "nav-count"))
     def update_findings_count(tick: Tick) -> tuple[str, str]:
-        run, rank = view_of(config, tick)
-        return findings_count(root_counts(fold_causes(run.findings_merged(active=True, rank=rank))))
+        """A new tick's count (the page loads with :func:`initial_findings_count`: at load time this
+        callback waits for the poll, which changes nothing in a closed run or a snapshot)."""
+        return active_findings_count(config, tick)
 
     def failed_download(what: str) -> Any:
         return lambda text: (no_update, html.Div(f"{what} failed: {text}", className="banner-error"))

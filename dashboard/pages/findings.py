@@ -1,14 +1,19 @@
 """Findings: every finding of the run once (merged over its ranks, with the ranks it occurs on and the
 findings only the comparison of ranks shows), root causes first with their consequences folded under
 them, sorted by severity, with message, evidence, fix, and how often and when each was seen.
-Clicking one selects its module and opens the Modules page."""
+Clicking one selects its module and opens the Modules page.
+
+While a run trains the list is drawn again on every poll (each finding's count and last step move
+on): the evidence and the consequences the user opened are kept in ``dcc.Store(ids.FINDINGS_OPEN)``
+(assets/modscope.js reports each toggle into ``ids.FINDINGS_TOGGLE``) and drawn open again."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from dash import Dash, Input, Output, dcc, html
+from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
+from dash.exceptions import PreventUpdate
 
 from probes.schema import Severity
 
@@ -29,6 +34,8 @@ def layout(config: AppConfig) -> html.Div:
                           value=[], inline=True),
         ], className="findings-tools"),
         html.Div(id=ids.FINDINGS_LIST, className="findings-list"),
+        dcc.Store(id=ids.FINDINGS_OPEN, data=[]),
+        dcc.Store(id=ids.FINDINGS_TOGGLE, data=None),
     ], className="panel findings-page")
 
 
@@ -39,10 +46,23 @@ def open_attrs(f: Mapping[str, Any]) -> dict[str, Any]:
             **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1)}
 
 
-def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False) -> list[Any]:
+def toggled(opened: object, toggle: object) -> list[str]:
+    """The keys of the opened ``<details>`` after ``toggle`` ({"key", "open"}, from assets/modscope.js)."""
+    keys = [k for k in opened if isinstance(k, str)] if isinstance(opened, list) else []
+    if not isinstance(toggle, dict) or not isinstance(toggle.get("key"), str):
+        return keys
+    key = toggle["key"]
+    if toggle.get("open"):
+        return keys if key in keys else [*keys, key]
+    return [k for k in keys if k != key]
+
+
+def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False,
+                 opened: Collection[str] | None = None) -> list[Any]:
     """The cards of the root causes in ``items`` (folded: each with its ``consequences``) whose
     severity is checked (one this version does not know counts as info), with a count per severity
-    and, over the ranks of a distributed run, the ranks each occurs on."""
+    and, over the ranks of a distributed run, the ranks each occurs on. With ``opened``, the evidence
+    and consequences whose keys it holds are drawn open (and report their toggles)."""
     shown = [f for f in items if severity_of(f["severity"]).value in severities]
     if not shown:
         return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
@@ -53,7 +73,7 @@ def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show
                                           className="muted") if folded else None],
                                className="sev-row findings-summary")]
     for f in shown[:MAX_SHOWN]:
-        out.append(finding_card(f, show_ranks=show_ranks, attrs_of=open_attrs))
+        out.append(finding_card(f, show_ranks=show_ranks, attrs_of=open_attrs, opened=opened))
     if len(shown) > MAX_SHOWN:
         out.append(message(f"first {MAX_SHOWN} of {len(shown):,} root causes shown: narrow by severity, or "
                            "filter the module tree by finding"))
@@ -61,11 +81,22 @@ def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show
 
 
 def register(app: Dash, config: AppConfig) -> None:
-    @callback(app, Output(ids.FINDINGS_LIST, "children"), Input(ids.TICK, "data"),
-                  Input(ids.FINDINGS_SEVERITY, "value"), Input(ids.FINDINGS_SHOW_RESOLVED, "value"))
-    @reads_store(config.source, waiting=lambda text: [message(text, "wait")],
-                 failed=lambda text: [message(text, "bad")])
-    def render(tick: Tick, severities: list[str] | None, resolved: list[str] | None) -> list[Any]:
+    @callback(app, Output(ids.FINDINGS_LIST, "children"), Output(ids.FINDINGS_OPEN, "data"),
+                  Input(ids.TICK, "data"), Input(ids.FINDINGS_SEVERITY, "value"),
+                  Input(ids.FINDINGS_SHOW_RESOLVED, "value"), Input(ids.FINDINGS_TOGGLE, "data"),
+                  State(ids.FINDINGS_OPEN, "data"))
+    @reads_store(config.source, waiting=lambda text: ([message(text, "wait")], no_update),
+                 failed=lambda text: ([message(text, "bad")], no_update))
+    def render(tick: Tick, severities: list[str] | None, resolved: list[str] | None, toggle: object,
+               opened: object) -> tuple[list[Any], Any]:
+        """The list, drawn with what the user opened. A toggle is drawn too, not only kept: a redraw
+        that a poll started before it would otherwise close it again (Dash drops that redraw's answer
+        once this call is made). The last toggle is applied on every call (again, it changes nothing)."""
+        keys = toggled(opened, toggle)
+        if (isinstance(toggle, dict) and set(ctx.triggered_prop_ids) == {f"{ids.FINDINGS_TOGGLE}.data"}
+                and keys == toggled(opened, None)):
+            raise PreventUpdate
         run, rank = view_of(config, tick)
         items = run.folded_findings(active=None if resolved else True, rank=rank)
-        return finding_list(items, severities or [], show_ranks=len(tick.ranks) > 1)
+        return (finding_list(items, severities or [], show_ranks=len(tick.ranks) > 1, opened=set(keys)),
+                keys if keys != opened else no_update)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -142,6 +143,70 @@ def test_compare_demo_before_and_after_fix(page, server_factory, tmp_path):
     summary = page.find_element(By.ID, "cmp-summary").text
     assert "82" in summary and "898" in summary
     screenshot(page, "compare")
+
+
+def nav_count(driver) -> tuple[str, str]:
+    el = driver.find_element(By.ID, "nav-findings-count")
+    return el.text, el.get_attribute("class")
+
+
+def test_findings_count_in_every_mode(page, server_factory, tmp_path):
+    """The "Findings" tab carries the number of active root causes (3 errors: the plain-list blocks) on
+    every page, also where nothing polls a change: a closed run (live mode) and a snapshot (review)."""
+    run = run_demo(tmp_path / "closed")
+    store = next(run.glob("modscope-*-rank0.sqlite"))
+    for args in (["--run", str(run)], ["--snapshot", str(store)]):
+        srv = server_factory(args)
+        for path in ("", "findings", "modules"):
+            page.get(srv.url + path)
+            wait_text(page, "closed", "#run-status")
+            wait_for(page, lambda d: nav_count(d)[0] == "3", f"the count 3 next to Findings ({args[0]} /{path})")
+            assert "sev-error" in nav_count(page)[1].split()
+        page.get("about:blank")                        # no poll to a server that stops
+        srv.stop()
+
+
+# The findings page's state, read in one go (a redraw between two WebDriver calls cannot split it): per
+# root-cause card its "seen N times, steps a-b", whether its consequences and its evidence are open.
+FINDINGS_STATE = """
+const cards = Array.from(document.querySelectorAll('#findings-list > .finding'));
+return {seen: cards.map(c => (c.querySelector(':scope > .finding-head .steps') || {}).textContent || ''),
+        consequences: cards.map(c => !!c.querySelector(':scope > details.consequences[open]')),
+        evidence: cards.map(c => !!c.querySelector(':scope > details.evidence-box[open]')),
+        shown: document.querySelectorAll('#findings-list details.consequences[open] > .consequences-list > .finding')
+                    .length,
+        scroll: window.scrollY, url: location.pathname};
+"""
+
+
+def test_live_findings_keep_what_was_opened(page, server_factory, tmp_path):
+    """While the demo trains, every poll redraws the findings (each one's count and last step move on):
+    the consequences and the evidence the user opened stay open, the page keeps its scroll position, and
+    the numbers still update."""
+    srv = server_factory(["--runs-dir", str(tmp_path / "runs")])
+    page.get(srv.url + "findings")
+    wait_for(page, lambda d: [el.text for el in d.find_elements(By.CSS_SELECTOR, "#findings-list > .finding > "
+                                                                "details.consequences > summary")]
+             == ["4 consequences"] * 3, "three root causes with 4 consequences each")
+    wait_for(page, lambda d: nav_count(d)[0] == "3", "the count 3 next to Findings (live)")
+    click(page, "#findings-list > .finding:nth-child(2) > details.consequences > summary")
+    click(page, "#findings-list > .finding:nth-child(4) > details.evidence-box > summary")
+    state = wait_for(page, lambda d: (s := d.execute_script(FINDINGS_STATE))["consequences"][0]
+                     and s["evidence"][2] and s, "the consequences of the first, the evidence of the third")
+    page.execute_script("window.scrollTo(0, 300);")
+    wait_for(page, lambda d: d.execute_script("return window.scrollY;") == 300, "the page scrolled")
+    seen = [state["seen"][0]]
+    deadline = time.monotonic() + 60
+    while len(seen) < 5:                                  # four polls that changed the first card's count
+        state = page.execute_script(FINDINGS_STATE)
+        assert state["consequences"][0] and state["evidence"][2], f"closed again after {seen}: {state}"
+        assert state["shown"] == 4 and state["scroll"] == 300 and state["url"] == "/findings", state
+        assert not any(state["consequences"][1:]) and not any(state["evidence"][:2]), state
+        if state["seen"][0] != seen[-1]:
+            seen.append(state["seen"][0])
+        assert time.monotonic() < deadline, f"the first finding's count did not change four times: {seen}"
+        time.sleep(0.05)
+    screenshot(page, "findings-live-open")
 
 
 KITCHEN = r'''

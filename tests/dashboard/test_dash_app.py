@@ -218,6 +218,49 @@ def test_page_builders(demo_snapshot, tmp_path):
     create_app(AppConfig(mode="compare", store=s, store_b=s))
 
 
+
+def test_findings_tab_count_comes_with_the_page(demo_snapshot, tmp_path):
+    """The number of active root causes next to "Findings" is in the page as it is loaded: the shell's
+    callback only follows changes of the tick, and a closed run or a snapshot never changes."""
+    from dashboard import ids
+    from dashboard.run import fold_causes, root_counts
+    s = Store.open_snapshot(demo_snapshot)
+    errors = root_counts(fold_causes(RunDir.from_store(s).run().findings_merged(active=True, rank=0)))["error"]
+    assert errors > 0
+    for config in (AppConfig(mode="review", store=s), AppConfig(mode="live", store=RunDir.open(demo_snapshot.parent))):
+        count = create_app(config).layout()[ids.NAV_COUNT]
+        assert (count.children, count.className) == (str(errors), "nav-count sev-error")
+    waiting = create_app(AppConfig(mode="live", store=RunDir.open(tmp_path / "not-yet"))).layout()[ids.NAV_COUNT]
+    assert (waiting.children, waiting.className) == ("", "nav-count")
+
+
+def test_findings_are_drawn_as_the_user_left_them(tmp_path):
+    """The Findings page draws the evidence and consequences the user opened open again (the list is
+    drawn again on every poll of a live run); a toggle reported by the page's script opens or closes one."""
+    from dash import html
+
+    from dashboard.components import details_key
+    path = tmp_path / "three" / "modscope.sqlite"
+    synth_store.three_layers(path)            # 3 root causes with evidence, each with 4 consequences
+    items = RunDir.from_store(Store.open_snapshot(path)).run().folded_findings(active=True, rank=0)
+    cause = items[1]
+    evidence, consequences = details_key("evidence", cause), details_key("consequences", cause)
+    keys = findings_page.toggled(findings_page.toggled([], {"key": evidence, "open": True, "t": 1}),
+                                 {"key": consequences, "open": True, "t": 2})
+    assert keys == [evidence, consequences]
+    assert findings_page.toggled(keys, {"key": evidence, "open": False, "t": 3}) == [consequences]
+    assert findings_page.toggled(keys, {"key": evidence, "open": True, "t": 4}) == keys     # again: no change
+    assert findings_page.toggled(None, None) == [] and findings_page.toggled(["a", 1], {"key": 2}) == ["a"]
+
+    def drawn(opened):
+        out = html.Div(findings_page.finding_list(items, ["error", "warning", "info"], opened=opened))
+        props = [d.to_plotly_json()["props"] for d in out._traverse() if isinstance(d, html.Details)]
+        return {p["data-open-key"]: (bool(p.get("open")), p["data-open"]) for p in props}
+    assert set(drawn(set()).values()) == {(False, "false")}
+    now = drawn(set(keys))
+    assert now[evidence] == now[consequences] == (True, "true")
+    assert sum(is_open for is_open, _ in now.values()) == 2
+
 def test_figures_are_pure_and_escaped():
     series = {"step": [0, 1, 2], "mean": [0.1, 0.2, 0.3], "std": [1, 1, 1], "dead_frac": [0, 0, 0],
               "sat_frac": [0, 0, 0], "zero_frac": [0, 0, 0], "out_grad_norm": [1.0, 0.1, 0.01]}
