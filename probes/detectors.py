@@ -56,6 +56,15 @@ class BypassCandidate:
     table: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class GradlessCandidate:
+    """A trained tensor whose module ran in training, within a training forward, in a step that backpropagated,
+    but which no gradient reached."""
+
+    tensor_id: int
+    module_ids: tuple[int, ...]        # those of its modules that ran so
+
+
 class ModelView(Protocol):
     """What the detectors read about the model (implemented by :class:`probes.model_index.ModelIndex`)."""
 

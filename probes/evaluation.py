@@ -16,7 +16,7 @@ from . import decode, records
 from .capture import StepRecord
 from .causes import assign_causes
 from .decode import ModuleColumns, TensorColumns, Values
-from .detectors import BypassCandidate, DynamicDetectors
+from .detectors import BypassCandidate, DynamicDetectors, GradlessCandidate
 from .events import EventBook, SampledEvents
 from .findings import Finding
 from .model_index import ModelIndex
@@ -70,6 +70,7 @@ class Evaluator:
         self.events.observe_sample(SampledEvents(
             step=step, modes=rec.modes, called=frozenset(rec.calls),     # a module is counted once called
             arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
+            gradless=gradless_candidates(rec, index),
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
@@ -129,6 +130,24 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
             forward_called = any(m in parents_of_called for m in owners)
             table = not forward_called and all(_is_table(index.modules.get(m)) for m in owners)
             out.append(BypassCandidate(arrived[i], owners, forward_called, table))
+    return out
+
+
+def gradless_candidates(rec: StepRecord, index: ModelIndex) -> list[GradlessCandidate]:
+    """Trained tensors (held by a watched optimizer, requiring grad) whose module ran in training mode within a
+    training forward (the model's own call with gradients enabled), in a step that backpropagated and stepped, but
+    which no gradient reached. The module's own call may have had gradients off: torch.no_grad() inside forward,
+    or a reentrant checkpoint whose inputs do not require grad, are such cuts."""
+    if not rec.arrived or not rec.optimizer_stepped:
+        return []
+    missing = index.trained_tensors - rec.arrived          # one C-level pass; empty in the common case
+    if not missing or not any(r.training and r.grad_enabled for r in rec.rows.get(index.root_id, ())):
+        return []
+    out = []
+    for tid in sorted(missing):
+        ran = tuple(m for m in index.owners.get(tid, ()) if any(r.training for r in rec.rows.get(m, ())))
+        if ran:
+            out.append(GradlessCandidate(tid, ran))
     return out
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from . import findings
 from .decode import NonFiniteModule
-from .detectors import BypassCandidate, ModelView
+from .detectors import BypassCandidate, GradlessCandidate, ModelView
 from .findings import Finding, NonFiniteOrigin
 from .schema import display_path
 from .sentinels import ForwardLog
@@ -53,9 +53,15 @@ class SampledEvents:
     arrived: frozenset[int]                     # tensors a gradient reached
     owners: Mapping[int, tuple[int, ...]]       # tensor id -> modules owning it
     bypass: Sequence[BypassCandidate]
+    gradless: Sequence[GradlessCandidate]
     bad_modules: Sequence[NonFiniteModule]      # in execution order
     bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
     optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
+
+
+# sampled steps in which a trained tensor's module ran and no gradient reached it before it is reported (one could be
+# a step that backpropagated another loss only)
+GRADLESS_SAMPLES = 2
 
 
 class EventBook:
@@ -74,6 +80,8 @@ class EventBook:
         self._norm_trains = False
         # tensor id -> (seen, owners, the evidence)
         self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
+        # tensor id -> (seen, the modules of it that ran), for trained tensors no gradient reached
+        self._gradless: dict[int, tuple[Occurrence, tuple[int, ...]]] = {}
         self._episodes: dict[str, tuple[NonFiniteOrigin, Occurrence, list[str]]] = {}   # by origin path
         self._open_episode: str | None = None     # the origin path of the episode going on now
 
@@ -151,6 +159,16 @@ class EventBook:
             if any(m in ev.called for m in ev.owners.get(tid, ())):
                 del self._bypass[tid]                 # its module was called in a step it got a gradient in
                 self.changed = True
+        for g in ev.gradless:
+            seen_g = self._gradless.get(g.tensor_id)
+            if seen_g is None:
+                self._gradless[g.tensor_id] = (Occurrence(step, step), g.module_ids)
+            else:
+                seen_g[0].again(step)
+            self.changed = True
+        for tid in [t for t in self._gradless if t in ev.arrived]:
+            del self._gradless[tid]                   # a gradient reached it
+            self.changed = True
         grads = [] if ev.optimizer_skipped else list(ev.bad_grads)   # an AMP skip: inf gradients are expected
         if not ev.bad_modules and not grads:
             self._open_episode = None
@@ -203,6 +221,14 @@ class EventBook:
                 names = [display_path(view.module_path(m)) for m in owners]
                 out.append(findings.forward_bypassed(view.module_path(owners[0]), view.tensor_path(tid), names,
                                                      o.first, o.last, o.count, c.forward_called, c.table))
+        by_module: dict[int, list[tuple[int, Occurrence]]] = {}
+        for tid, (o, ran) in self._gradless.items():
+            if o.count >= GRADLESS_SAMPLES and view.tensor_known(tid) and view.has_module(ran[0]):
+                by_module.setdefault(ran[0], []).append((tid, o))
+        for mid, tensors in by_module.items():
+            out.append(findings.no_gradient(view.module_path(mid), [view.tensor_path(t) for t, _ in tensors],
+                                            min(o.first for _, o in tensors), max(o.last for _, o in tensors),
+                                            min(o.count for _, o in tensors)))
         for origin, o, later in self._episodes.values():
             out.append(findings.non_finite(origin, last_step=o.last, count=o.count, later=later))
         return out

@@ -283,6 +283,16 @@ def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str],
                 severity=Severity.INFO if table else None, step=step, first_step=first_step, count=count)
 
 
+def no_gradient(module_path: str, tensor_paths: Sequence[str], first_step: int, step: int, count: int) -> Finding:
+    names = ", ".join(tensor_paths[:5]) + (f" and {len(tensor_paths) - 5:,} more" if len(tensor_paths) > 5 else "")
+    return make(FindingCode.NO_GRADIENT, module_path,
+                f"{display_path(module_path)} ran in the training forward, but no gradient reached "
+                f"{names}, which the optimizer holds and which require grad: its output does not reach the loss, "
+                f"so the optimizer never changes them (in {count:,} sampled steps since step {first_step}).",
+                evidence={"tensors": list(tensor_paths[:50]), "n_tensors": len(tensor_paths)},
+                step=step, first_step=first_step, count=count)
+
+
 # ------------------------------------------------------------------------------------ modes
 def training_mode_mismatch(path: str, type_name: str, training: bool, root_training: bool, first_step: int,
                            step: int, count: int) -> Finding:

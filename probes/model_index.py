@@ -181,6 +181,12 @@ class ModelIndex:
         return self._grad_hook_targets
 
     @functools.cached_property
+    def trained_tensors(self) -> frozenset[int]:
+        """The leaves a watched optimizer holds that require grad: a gradient should reach each whenever its module
+        runs in training."""
+        return frozenset(t.param_id for t in self._grad_hook_targets if t.opt_index is not None)
+
+    @functools.cached_property
     def _by_optimizer(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for t in self._measurable:

@@ -162,6 +162,7 @@ class FindingCode(StrEnum):
     EVAL_BUILDS_GRAPH = "eval-builds-graph"
     NON_FINITE = "non-finite"
     FORWARD_BYPASSED = "forward-bypassed"
+    NO_GRADIENT = "no-gradient"
     SHARED_PARAMETER = "shared-parameter"
     RANK_DIVERGENCE = "rank-divergence"
     RANK_STRAGGLER = "rank-straggler"
@@ -226,6 +227,13 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
     FindingCode.FORWARD_BYPASSED: CodeInfo(
         _W, "forward bypassed",
         "Call the module (module(x)), not module.forward(x): calling forward() skips every hook.", event=True),
+    FindingCode.NO_GRADIENT: CodeInfo(
+        _W, "no gradient",
+        "Find where the graph is cut between this module's output and the loss: a .detach(), .data, .item() or "
+        "torch.tensor(...) rebuilt from values, torch.no_grad() inside forward, a reentrant checkpoint "
+        "(use_reentrant=True) whose inputs do not require grad (pass use_reentrant=False), or an output the "
+        "loss does not use; if it is meant to stay fixed, set requires_grad_(False) and leave it out of the "
+        "optimizer.", event=True),
     FindingCode.SHARED_PARAMETER: CodeInfo(
         _I, "shared", "Expected for tied weights; the tensor is stored once in parameters() and updated once."),
     FindingCode.RANK_DIVERGENCE: CodeInfo(

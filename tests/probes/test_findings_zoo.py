@@ -1,7 +1,11 @@
 """Each finding code is raised on a model from the seeds' bug classes, at the right path."""
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 import zoo
 from helpers import by_code, codes, train
 
@@ -360,6 +364,48 @@ def test_fresh_linear_built_each_call_is_an_error(run_dir):
         f = [f for f in w.findings() if f.code == "unregistered-module"]
     assert [(g.path, g.severity) for g in f] == [("<unreachable Linear>", "error")]
     assert "every forward" in f[0].message
+
+
+class CutGraph(nn.Module):
+    """The graph from the loss back to ``body`` cut in one of the ways that train the rest of the model silently."""
+
+    def __init__(self, cut):
+        super().__init__()
+        self.cut = cut
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        if self.cut == "detach":
+            h = self.body(x).detach()
+        elif self.cut == "reentrant-checkpoint":          # its input does not require grad: gradients are None
+            h = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+        elif self.cut == "no_grad-in-forward":
+            with torch.no_grad():
+                h = self.body(x)
+        else:
+            h = self.body(x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("cut", ["detach", "reentrant-checkpoint", "no_grad-in-forward"])
+def test_a_trained_layer_no_gradient_reaches_is_reported_until_one_does(run_dir, cut):
+    torch.manual_seed(0)
+    model = CutGraph(cut)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = lambda: (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore")                   # the checkpoint's own warning
+        train(model, opt, w, 1, batch)
+        assert not [f for f in w.findings() if f.code == "no-gradient"]     # one step could be another loss's
+        train(model, opt, w, 2, batch)
+        found = [f for f in w.findings() if f.code == "no-gradient"]
+        assert [(f.path, f.severity, f.evidence["tensors"], f.count) for f in found] == [
+            ("body.0", "warning", ["body.0.weight", "body.0.bias"], 3)]
+        assert not w.probe_errors and codes(w.findings()) == {("no-gradient", "body.0")}
+        model.cut = None                                  # the fix
+        train(model, opt, w, 1, batch)
+        assert w.findings() == []
 
 
 def test_every_finding_says_what_to_do():
