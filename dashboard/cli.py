@@ -82,6 +82,11 @@ def check_port_number(port: int) -> None:
         fail(f"--port {port}: not a port number")
 
 
+def check_poll_ms(poll_ms: int) -> None:
+    if poll_ms < 1:
+        fail(f"--poll-ms {poll_ms}: expected a positive number of milliseconds")
+
+
 _FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
 
@@ -90,8 +95,9 @@ def check_store_target(option: str, value: str) -> None:
     """A store argument names a directory or a regular file. ``/dev/null`` or a pipe would
     otherwise be read as an empty store (a dashboard waiting forever) or block the start; for
     ``--run``, a file must be a store file (an SQLite file, or any ``*.sqlite`` path, which a run
-    may not have written yet). Missing paths are left to the store's own messages."""
-    from .data import SQLITE_HEADER
+    may not have written yet), and one that nothing writes must be a store already. Missing paths
+    are left to the store's own messages."""
+    from .data import SQLITE_HEADER, Store, StoreError, writer_present
 
     path = Path(value)
     try:
@@ -112,6 +118,15 @@ def check_store_target(option: str, value: str) -> None:
             fail(f"{option} {value}: cannot open ({exc.strerror or exc})")
         if head != SQLITE_HEADER:
             fail(f"{option} {value}: a file that is not an SQLite store; {expected}")
+    if option == "--run" and not writer_present(path):
+        # a writer takes the store's lock before it creates the file, and creates the schema in one
+        # transaction: a file with no writer that is not a store (another SQLite file) never becomes one
+        store = Store(path, live=True)
+        try:
+            if not store.ready():
+                store.validate()
+        except StoreError as exc:
+            fail(str(exc))
 
 
 def open_config(*, run: str | None = None, snapshot: str | None = None,
@@ -128,7 +143,7 @@ def open_config(*, run: str | None = None, snapshot: str | None = None,
             a, b = (Store.open_any(x) for x in compare)
             for s in (a, b):
                 if not s.ready():
-                    fail(f"{s.path}: no store yet (nothing written to this run)")
+                    fail(f"{s.where}: no store yet (nothing written to this run)")
             return AppConfig(mode="compare", store=a, store_b=b, title="modscope: compare")
         if snapshot:
             return AppConfig(mode="review", store=Store.open_snapshot(snapshot), title="modscope: snapshot")
@@ -142,13 +157,17 @@ def open_config(*, run: str | None = None, snapshot: str | None = None,
 def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: list[str],
                       poll_ms: int = 1000) -> tuple[AppConfig, subprocess.Popen[Any]]:
     """Check the address, start examples/demo_train.py writing to a fresh run directory under
-    ``runs_dir``; returns ``(config, demo_proc)``."""
+    ``runs_dir`` (relative to this process's folder, for the child as for the dashboard); returns
+    ``(config, demo_proc)``."""
     from .data import Store, StoreError
-    from .demo import fresh_run_dir, start_demo
+    from .demo import fresh_run_dir, start_demo, stop_demo
     from .server import AppConfig
 
     check_port(host, port)
-    run_dir = fresh_run_dir(Path(runs_dir))
+    try:
+        run_dir = fresh_run_dir(Path(runs_dir).absolute())
+    except OSError as exc:
+        fail(f"--runs-dir {runs_dir}: cannot create a run directory in it ({exc.strerror or exc})")
     try:
         demo_proc = start_demo(run_dir, demo_args)
     except FileNotFoundError as exc:
@@ -157,6 +176,7 @@ def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: lis
     try:
         return AppConfig(mode="live", store=Store.open_run(run_dir), poll_ms=poll_ms), demo_proc
     except StoreError as exc:
+        stop_demo(demo_proc)
         fail(str(exc))
 
 
@@ -173,7 +193,7 @@ def _url(host: str, port: int, token: str | None) -> tuple[str, bool]:
 def _watch_demo(proc: subprocess.Popen[Any], log_dir: Path) -> None:
     def watch() -> None:
         code = proc.wait()
-        if code not in (0, -signal.SIGTERM, -signal.SIGKILL):
+        if code not in (0, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL):     # stop_demo's signals
             print(f"modscope: demo training exited with code {code} (log: {log_dir}/demo.log)",
                   file=sys.stderr, flush=True)
     threading.Thread(target=watch, daemon=True).start()
@@ -193,41 +213,37 @@ def _log_to_stderr() -> None:
 def serve(config: AppConfig, host: str, port: int, token: str | None = None,
           demo_proc: subprocess.Popen[Any] | None = None) -> int:
     """Serve ``config`` on host:port until Ctrl-C or SIGTERM; a non-loopback host without a
-    token gets a generated one. Prints the URL; stops ``demo_proc`` (if any) on exit."""
+    token gets a generated one. Prints the URL. ``demo_proc`` (if any) is stopped however this
+    ends, also on a Ctrl-C or SIGTERM while the app is still being built (seconds), so that the
+    demo closes its run."""
     from . import security
     from .server import create_app
-
-    try:
-        host, token = check_serve_args(host, port, token)
-    except SystemExit:
-        if demo_proc is not None:
-            from .demo import stop_demo
-            stop_demo(demo_proc)
-        raise
-    if demo_proc is None:
-        check_port(host, port)
-    if not security.is_loopback(host) and not token:
-        token = security.generate_token()
-    config.token = token
-    config.bind_host, config.bind_port = host, port
-    app = create_app(config)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    _log_to_stderr()
-
-    url, all_interfaces = _url(host, port, token)
-    print(f"modscope dashboard: {url}" + ("  (listening on all interfaces)" if all_interfaces else ""),
-          flush=True)
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise SystemExit(0)
     signal.signal(signal.SIGTERM, on_term)
 
-    if demo_proc is not None and config.store is not None:
-        _watch_demo(demo_proc, config.store.path.parent)
     try:
-        app.run(host=host, port=port, debug=False)
-    except OSError as exc:
-        fail(f"{host}:{port}: cannot listen ({exc.strerror or exc})")
+        host, token = check_serve_args(host, port, token)
+        if demo_proc is None:
+            check_port(host, port)
+        if not security.is_loopback(host) and not token:
+            token = security.generate_token()
+        config.token = token
+        config.bind_host, config.bind_port = host, port
+        app = create_app(config)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        _log_to_stderr()
+
+        url, all_interfaces = _url(host, port, token)
+        print(f"modscope dashboard: {url}" + ("  (listening on all interfaces)" if all_interfaces else ""),
+              flush=True)
+        if demo_proc is not None and config.store is not None:
+            _watch_demo(demo_proc, config.store.path.parent)
+        try:
+            app.run(host=host, port=port, debug=False)
+        except OSError as exc:
+            fail(f"{host}:{port}: cannot listen ({exc.strerror or exc})")
     except KeyboardInterrupt:
         pass
     finally:
@@ -237,10 +253,35 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
     return 0
 
 
-def export(output: str, *, run: str | None = None, snapshot: str | None = None, rank: int = 0) -> int:
-    """Write the standalone HTML report of a run or snapshot to ``output``."""
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:         # one of them does not exist (yet): compare where they would be
+        return a.resolve() == b.resolve()
+
+
+def check_output_not_read(output: str, target: str) -> None:
+    """``-o`` must not name a file of a store the export reads (the store, its ``-wal``, ``-shm``,
+    ``-journal``, lock or status file): the report written there would replace the run."""
+    from probes.schema import LOCK_SUFFIX, STATUS_SUFFIX
+
+    from .run import scan_runs
+
+    out = Path(output)
+    for entry in scan_runs(target, limit=sys.maxsize):
+        for store in entry.files:
+            for suffix in ("", "-wal", "-shm", "-journal", LOCK_SUFFIX, STATUS_SUFFIX):
+                if _same_file(out, Path(f"{store}{suffix}")):
+                    what = "the store" if not suffix else f"the {suffix.lstrip('-.')} file of the store"
+                    fail(f"-o {output}: is {what} {store} being exported; expected a new file for the report")
+
+
+def export(output: str, *, run: str | None = None, snapshot: str | None = None, rank: int | None = None) -> int:
+    """Write the standalone HTML report of a run or snapshot (the newest run of a directory) to
+    ``output``: the tree and charts of ``rank`` (default: the run's lowest)."""
     from .data import Store, StoreError
     from .report import write_report
+    from .run import as_run_dir
 
     if run is not None:
         check_store_target("--run", run)
@@ -248,11 +289,20 @@ def export(output: str, *, run: str | None = None, snapshot: str | None = None, 
         check_store_target("--snapshot", snapshot)
     if run is None and snapshot is None:
         fail("export: expected --run DIR or --snapshot FILE")
+    option, target = ("--run", run) if run is not None else ("--snapshot", str(snapshot))
+    if not Path(target).exists():
+        # (a live run that does not exist yet can only be served: export needs what was written)
+        fail(f"{option} {target}: no such file or directory" + (" (no store yet)" if run is not None else ""))
+    check_output_not_read(output, target)
     try:
-        store = Store.open_run(run) if run is not None else Store.open_snapshot(str(snapshot))
+        store = Store.open_run(target) if run is not None else Store.open_snapshot(target)
         if not store.ready():
-            fail(f"{store.path}: no store yet (nothing written to this run)")
-        out = write_report(store, output, rank)
+            fail(f"{option} {target}: no store yet (nothing written to this run)")
+        chosen = as_run_dir(store).run()
+        ranks = chosen.ranks()
+        if rank is not None and rank not in ranks:
+            fail(f"--rank {rank}: no such rank in this run; expected one of {', '.join(map(str, ranks))}")
+        out = write_report(chosen, output, rank)
     except StoreError as exc:
         fail(str(exc))
     except OSError as exc:
@@ -283,7 +333,12 @@ _SOURCE_FLAGS = ("--run", "--snapshot", "--compare")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with the project's error form: exit 2 and one line naming the value."""
+    """argparse with the project's error form: exit 2 and one line naming the value. Options are
+    never abbreviated: ``demo --run DIR`` would otherwise be taken for ``--runs-dir DIR``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -360,6 +415,7 @@ def serve_main(argv: Sequence[str], prog: str = "modscope", source: str = "requi
 
     args = serve_parser(prog, source).parse_args(list(argv))
     args.host, args.token = check_serve_args(args.host, args.port, args.token)  # before the demo starts
+    check_poll_ms(args.poll_ms)
     demo_proc = None
     run, snapshot, compare = (getattr(args, a, None) for a in ("run", "snapshot", "compare"))
     if compare or snapshot or run:
@@ -377,7 +433,8 @@ def export_main(argv: Sequence[str], prog: str = "modscope") -> int:
     src.add_argument("--run", metavar="DIR")
     src.add_argument("--snapshot", metavar="FILE")
     p.add_argument("-o", "--output", required=True, metavar="report.html")
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rank", type=int, default=None, help="the rank whose tree and charts are shown "
+                                                          "(default: the run's lowest)")
     args = p.parse_args(list(argv))
     return export(args.output, run=args.run, snapshot=args.snapshot, rank=args.rank)
 
@@ -451,7 +508,11 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
     args = p.parse_args(ours)
     if not target or (target[0] == "-m" and len(target) < 2):
         p.error("expected a script to run (script.py [ARGS...]) or -m package.module [ARGS...]")
-    if target[0] != "-m" and not Path(target[0]).is_file():
+    if target[0] == "-m":
+        check_module(target[1])
+    elif Path(target[0]).is_dir():
+        fail(f"{target[0]}: is a directory; expected a Python script to run")
+    elif not Path(target[0]).is_file():
         fail(f"{target[0]}: no such file; expected a Python script to run")
     if args.port is not None and not args.serve:
         fail(f"--port {args.port}: only with --serve (the dashboard's port)")
@@ -460,13 +521,36 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
         host, _ = check_serve_args("127.0.0.1", port, None)
         check_port(host, port)
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(Path("runs"))
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail(f"--run-dir {run_dir}: cannot create ({exc.strerror or exc})")
     rate_args = ["--every", str(args.every)] if args.every else ["--overhead", repr(args.overhead)]
     cmd = [sys.executable, "-m", "probes.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
-    return _supervise(cmd, run_dir, port if args.serve else None)
+    status = _supervise(cmd, run_dir, port if args.serve else None)
+    if created:
+        try:
+            run_dir.rmdir()          # only when empty: nothing was watched (the script failed before training)
+        except OSError:
+            pass
+    return status
+
+
+def check_module(name: str) -> None:
+    """``-m NAME`` whose top-level package is nowhere the child would look (this folder first, then
+    this interpreter's path, which the child shares): python's own words, before anything starts. A
+    submodule is left to the child: looking for it here would import its package."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    top = name.split(".", 1)[0]
+    try:
+        if not top or PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top):
+            return
+    except (ImportError, ValueError):      # a name python itself will judge
+        return
+    fail(f"-m {name}: No module named {top}")
 
 
 def _new_run_dir(base: Path) -> Path:
