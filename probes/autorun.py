@@ -73,8 +73,9 @@ def _exit_status(exc: SystemExit) -> int:
 
 def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback from the script's first frame on: this module's and runpy's frames dropped."""
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or "")}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+    while tb is not None and (tb.tb_frame.f_code.co_filename in skip
+                              or os.path.abspath(tb.tb_frame.f_code.co_filename) in skip):
         tb = tb.tb_next
     return tb
 
@@ -127,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = exc
     except BaseException as exc:
         tb = _user_traceback(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)     # the hook prints the exception's own
+        if tb is None and isinstance(exc, ImportError) and target[0] == "-m":
+            # runpy found no such module (no frame of the user's ran): python -m's own one line
+            print(f"{sys.executable}: {exc}", file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)     # the hook prints the exception's own
         status = 1
     finally:
         if aw is not None:

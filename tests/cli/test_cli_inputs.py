@@ -167,6 +167,10 @@ def test_run_says_what_it_cannot_run(tmp_path):
     line = one_error(modscope("run", "--run-dir", "r", "proj", cwd=tmp_path))
     assert line == "modscope: error: proj: is a directory; expected a Python script to run"
     assert not (tmp_path / "r").exists()
+    # a package that exists, a module in it that does not: found out only in the child, as python -m does (status 1)
+    r = modscope("run", "--run-dir", "r", "-m", "json.no_such_module_xyz", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{sys.executable}: No module named json.no_such_module_xyz" in r.stderr.splitlines()
 
 
 def test_a_script_that_watched_nothing_leaves_no_empty_run_dir(tmp_path):
