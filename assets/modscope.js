@@ -29,19 +29,23 @@ document.addEventListener("click", function (e) {
   }});
 });
 
-// 3. What the user opened on the Findings page (a finding's evidence, its folded consequences) stays
-//    open when the list is drawn again (every poll while a run trains). Such a <details> carries
-//    data-open-key and data-open (the state it was drawn in); a toggle that leaves it in another state
-//    than the server last knew goes to the "findings-toggle" store (dashboard/pages/findings.py), which
-//    keeps the key and draws it so. A <details> drawn open fires "toggle" too: not reported again.
+// 3. What the user opened (a finding's evidence, its folded consequences: on the Findings page, in a
+//    module's detail) stays open when it is drawn again (every poll while a run trains). Such a
+//    <details> carries data-open-key and data-open (the state it was drawn in); its container names the
+//    page's store of toggles (data-toggle-store: "findings-toggle", "detail-toggle"; dashboard/ids.py
+//    toggle_attrs). A toggle that leaves it in another state than the server last knew goes to that
+//    store, whose page keeps the key and draws it so. A <details> drawn open fires "toggle" too: not
+//    reported again.
 document.addEventListener("toggle", function (e) {
   var d = e.target;
   var key = d && d.getAttribute ? d.getAttribute("data-open-key") : null;
-  if (!key || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
+  var box = key && d.parentElement ? d.parentElement.closest("[data-toggle-store]") : null;
+  var store = box ? box.getAttribute("data-toggle-store") : null;
+  if (!store || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
   var known = d._modscopeOpen !== undefined ? d._modscopeOpen : d.getAttribute("data-open") === "true";
   if (d.open === known) { return; }
   d._modscopeOpen = d.open;
-  window.dash_clientside.set_props("findings-toggle", {data: {key: key, open: d.open, t: Date.now()}});
+  window.dash_clientside.set_props(store, {data: {key: key, open: d.open, t: Date.now()}});
 }, true);
 
 // 4. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);

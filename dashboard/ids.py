@@ -48,9 +48,13 @@ DETAIL_HEADER = "detail-header"
 DETAIL_FINDINGS = "detail-findings"
 DETAIL_ACT = "detail-activation"
 DETAIL_HEAT = "detail-heat"
+DETAIL_HEAT_STATE = "detail-heat-state"  # {"key", "has_data"}: the module whose heat map is drawn
 DETAIL_PARAMS = "detail-params"
 DETAIL_RANKS = "detail-ranks"  # local gradient norms per rank, side by side
 DETAIL_STATE = "detail-state"  # {"module_id", "last"} for incremental updates
+DETAIL_OPEN = "detail-open"    # keys of the <details> opened in the detail (components.details_key), kept over redraws
+DETAIL_TOGGLE = "detail-toggle"  # {"key", "open", "t"}: a <details> the user opened or closed
+                                 # (written by assets/modscope.js)
 
 # findings page
 FINDINGS_LIST = "findings-list"
@@ -87,6 +91,12 @@ class ClickAction(StrEnum):
 def click_attrs(action: ClickAction, module_id: int | None) -> dict[str, str]:
     """Attributes that make a component clickable (read by assets/modscope.js)."""
     return {"data-action": action.value, "data-mid": "" if module_id is None else str(module_id)}
+
+
+def toggle_attrs(store: str) -> dict[str, str]:
+    """Attributes of a container whose ``<details>`` (those drawn by components.details with a key)
+    report the user's toggles into ``store`` (a ``dcc.Store``; read by assets/modscope.js)."""
+    return {"data-toggle-store": store}
 
 
 def nav_link(href: str) -> dict[str, str]:

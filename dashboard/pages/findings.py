@@ -5,7 +5,8 @@ Clicking one selects its module and opens the Modules page.
 
 While a run trains the list is drawn again on every poll (each finding's count and last step move
 on): the evidence and the consequences the user opened are kept in ``dcc.Store(ids.FINDINGS_OPEN)``
-(assets/modscope.js reports each toggle into ``ids.FINDINGS_TOGGLE``) and drawn open again."""
+(assets/modscope.js reports each toggle into ``ids.FINDINGS_TOGGLE``, the store the list names) and
+drawn open again (``components.toggled``; the Modules page keeps its module's detail the same way)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dash.exceptions import PreventUpdate
 from probes.schema import Severity
 
 from .. import ids
-from ..components import finding_card, message, severity_of, severity_pill
+from ..components import finding_card, message, severity_of, severity_pill, toggled
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
 
@@ -33,7 +34,7 @@ def layout(config: AppConfig) -> html.Div:
             dcc.Checklist(id=ids.FINDINGS_SHOW_RESOLVED, options=[{"label": "show resolved", "value": "yes"}],
                           value=[], inline=True),
         ], className="findings-tools"),
-        html.Div(id=ids.FINDINGS_LIST, className="findings-list"),
+        html.Div(id=ids.FINDINGS_LIST, className="findings-list", **ids.toggle_attrs(ids.FINDINGS_TOGGLE)),
         dcc.Store(id=ids.FINDINGS_OPEN, data=[]),
         dcc.Store(id=ids.FINDINGS_TOGGLE, data=None),
     ], className="panel findings-page")
@@ -44,17 +45,6 @@ def open_attrs(f: Mapping[str, Any]) -> dict[str, Any]:
     mid = f.get("module_id")
     return {"title": "click to show this module", "className": "clickable",
             **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1)}
-
-
-def toggled(opened: object, toggle: object) -> list[str]:
-    """The keys of the opened ``<details>`` after ``toggle`` ({"key", "open"}, from assets/modscope.js)."""
-    keys = [k for k in opened if isinstance(k, str)] if isinstance(opened, list) else []
-    if not isinstance(toggle, dict) or not isinstance(toggle.get("key"), str):
-        return keys
-    key = toggle["key"]
-    if toggle.get("open"):
-        return keys if key in keys else [*keys, key]
-    return [k for k in keys if k != key]
 
 
 def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False,

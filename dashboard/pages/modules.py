@@ -3,11 +3,16 @@
 Only the children of expanded nodes are queried and rendered, so a 10,000-module model
 costs what is on screen. Search (name or type) and the finding filter show a flat,
 capped result list instead of the tree.
+
+While a run trains the open module's detail is drawn again on every poll: the evidence and the
+consequences of its findings the user opened are kept in ``dcc.Store(ids.DETAIL_OPEN)`` (the detail
+panel names ``ids.DETAIL_TOGGLE``, into which assets/modscope.js reports each toggle) and drawn open
+again, as on the Findings page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
 from dash import ClientsideFunction, Dash, Input, Output, Patch, State, ctx, dcc, html, no_update
@@ -16,7 +21,17 @@ from dash.exceptions import PreventUpdate
 from probes.schema import Severity, TensorKind, code_label, display_path
 
 from .. import figures, ids
-from ..components import KIND_TITLES, badge_specs, finding_badges, finding_card, kind_badge, message, params_text, table
+from ..components import (
+    KIND_TITLES,
+    badge_specs,
+    finding_badges,
+    finding_card,
+    kind_badge,
+    message,
+    params_text,
+    table,
+    toggled,
+)
 from ..config import AppConfig
 from ..data import MAX_CHILDREN, MAX_SEARCH, Store
 from ..poll import Tick, callback, plural, reads_store, view_of
@@ -72,7 +87,10 @@ def layout(config: AppConfig) -> html.Div:
             html.Div(id=ids.DETAIL_RANKS),
             html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
-        ], className="panel detail-panel"),
+            dcc.Store(id=ids.DETAIL_HEAT_STATE, data=None),
+            dcc.Store(id=ids.DETAIL_OPEN, data=[]),
+            dcc.Store(id=ids.DETAIL_TOGGLE, data=None),
+        ], className="panel detail-panel", **ids.toggle_attrs(ids.DETAIL_TOGGLE)),
     ], className="modules")
 
 
@@ -210,12 +228,14 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
-def findings_section(items: list[dict[str, Any]], *, show_ranks: bool = False) -> html.Div | None:
-    """The module's findings: root causes with their consequences folded under them."""
+def findings_section(items: list[dict[str, Any]], *, show_ranks: bool = False,
+                     opened: Collection[str] = frozenset()) -> html.Div | None:
+    """The module's findings: root causes with their consequences folded under them; the evidence and
+    consequences whose keys (components.details_key) are in ``opened`` drawn open."""
     if not items:
         return None
-    return html.Div([html.H3("Findings"), *[finding_card(f, show_ranks=show_ranks) for f in fold_causes(items)]],
-                    className="detail-findings")
+    return html.Div([html.H3("Findings"), *[finding_card(f, show_ranks=show_ranks, opened=opened)
+                                            for f in fold_causes(items)]], className="detail-findings")
 
 
 def module_findings(run: Run, rank: int, mid: int) -> list[dict[str, Any]]:
@@ -285,6 +305,7 @@ class DetailOutputs(NamedTuple):
     params: Any
     ranks: Any               # local gradient norms per rank (a run of several ranks)
     state: Any               # {"view", "rank", "module_id", "last", "has_data", "has_grad"}: what the chart shows
+    opened: Any = no_update  # the keys of the <details> the user opened (ids.DETAIL_OPEN), when they changed
 
 
 def detail_error(text: str) -> DetailOutputs:
@@ -297,7 +318,8 @@ def detail_cleared() -> DetailOutputs:
                          None, None)
 
 
-def detail_full(run: Run, rank: int, mid: int) -> DetailOutputs:
+def detail_full(run: Run, rank: int, mid: int, opened: Collection[str] = frozenset()) -> DetailOutputs:
+    """The module's detail drawn whole (``opened``: the keys of the <details> drawn open)."""
     store = run.at(rank)
     m = store.module(rank, mid)
     if m is None:
@@ -306,18 +328,21 @@ def detail_full(run: Run, rank: int, mid: int) -> DetailOutputs:
     series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
     several = len(run.ranks()) > 1
     return DetailOutputs(
-        detail_header(m, own), findings_section(module_findings(run, rank, mid), show_ranks=several), shown(),
+        detail_header(m, own), findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
+        shown(),
         figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}"), params_table(store.module_params(rank, mid)),
         ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {"view": [run.key, rank], "rank": rank, "module_id": mid, "last": series["last"],
          "has_data": bool(series["step"]), "has_grad": any(v is not None for v in series["out_grad_norm"])})
 
 
-def detail_increment(run: Run, rank: int, mid: int, state: dict[str, Any]) -> DetailOutputs:
+def detail_increment(run: Run, rank: int, mid: int, state: dict[str, Any],
+                     opened: Collection[str] = frozenset()) -> DetailOutputs:
     """New samples of the open module: the chart extended in place (a Patch), unless its gradient
-    panel was still the "no gradients yet" message (then drawn whole)."""
+    panel was still the "no gradients yet" message (then drawn whole); the rest drawn again, the
+    <details> whose keys are in ``opened`` open."""
     if not state.get("has_data"):
-        return detail_full(run, rank, mid)
+        return detail_full(run, rank, mid, opened)
     store = run.at(rank)
     new = store.module_series(rank, mid, since_step=state.get("last"))
     if not new["step"]:
@@ -339,10 +364,30 @@ def detail_increment(run: Run, rank: int, mid: int, state: dict[str, Any]) -> De
     several = len(run.ranks()) > 1
     return DetailOutputs(
         detail_header(m, own) if m else no_update,
-        findings_section(module_findings(run, rank, mid), show_ranks=several),
+        findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
         no_update, chart, params_table(store.module_params(rank, mid)),
         ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {**state, "last": new["last"], "has_grad": has_grad})
+
+
+def detail_findings(run: Run, rank: int, mid: int, opened: Collection[str]) -> DetailOutputs:
+    """Only the module's findings, drawn again with ``opened`` (a toggle of the user's)."""
+    section = findings_section(module_findings(run, rank, mid), show_ranks=len(run.ranks()) > 1, opened=opened)
+    return DetailOutputs(no_update, section, no_update, no_update, no_update, no_update, no_update)
+
+
+def heat_update(fig: dict[str, Any], key: str, drawn: object) -> tuple[Any, Any]:
+    """The heat map (``fig``, of the module ``key`` names) as an output, and what it shows
+    ({"key", "has_data"}, ``drawn`` before). The same module's map drawn again (new samples) is a Patch
+    of its data only: the layout, where plotly keeps the user's zoom, stays. (A new figure loses the
+    zoom although its uirevision is the same: dcc.Graph plots the zoomed layout again, and plotly then
+    takes the zoom for the app's own range, which the next figure does not have.)"""
+    shows = {"key": key, "has_data": bool(fig["data"])}
+    if shows["has_data"] and drawn == shows:
+        patch = Patch()
+        patch["data"] = fig["data"]
+        return patch, no_update
+    return fig, shows
 
 
 # -- callbacks ------------------------------------------------------------------------------------------
@@ -408,11 +453,22 @@ def register(app: Dash, config: AppConfig) -> None:
         Output(ids.DETAIL, "style"),
         Output(ids.DETAIL_ACT, "figure"),
         Output(ids.DETAIL_PARAMS, "children"), Output(ids.DETAIL_RANKS, "children"), Output(ids.DETAIL_STATE, "data"),
-        Input(ids.TICK, "data"), Input(ids.SELECTED, "data"), State(ids.DETAIL_STATE, "data"))
+        Output(ids.DETAIL_OPEN, "data"),
+        Input(ids.TICK, "data"), Input(ids.SELECTED, "data"), Input(ids.DETAIL_TOGGLE, "data"),
+        State(ids.DETAIL_STATE, "data"), State(ids.DETAIL_OPEN, "data"))
     @reads_store(source, failed=detail_error)
-    def render_detail(tick: Tick, selected: object, state: object) -> DetailOutputs:
+    def render_detail(tick: Tick, selected: object, toggle: object, state: object, opened: object) -> DetailOutputs:
         """Header, findings, the series chart (three panels, one figure; extended in place when
-        live), parameters and, for several ranks, their local gradient norms side by side."""
+        live), parameters and, for several ranks, their local gradient norms side by side. The
+        evidence and consequences the user opened are drawn open (``components.toggled``); a toggle
+        alone draws the findings again: a redraw that a poll started before it would otherwise close
+        it again (Dash drops that redraw's answer, chart and state together, once this call is made)."""
+        keys = toggled(opened, toggle)
+        triggers = set(ctx.triggered_prop_ids)
+        # (the page drawn again, its stores new, is the toggle's store alone among the triggers too)
+        toggle_only = isinstance(toggle, dict) and triggers == {f"{ids.DETAIL_TOGGLE}.data"}
+        if toggle_only and keys == toggled(opened, None):
+            raise PreventUpdate
         run, rank = view_of(config, tick)
         if (not isinstance(selected, dict) or selected.get("module_id") is None
                 or selected.get("run") != run.key or selected.get("rank") != rank):
@@ -420,20 +476,27 @@ def register(app: Dash, config: AppConfig) -> None:
                 return detail_cleared()
             raise PreventUpdate
         mid = int(selected["module_id"])
-        if (ctx.triggered_id == ids.TICK and isinstance(state, dict) and state.get("module_id") == mid
-                and state.get("view") == [run.key, rank]):
-            return detail_increment(run, rank, mid, state)
-        return detail_full(run, rank, mid)
+        drawn = state if isinstance(state, dict) and state.get("module_id") == mid \
+            and state.get("view") == [run.key, rank] else None              # this module's detail is on screen
+        if drawn is not None and toggle_only:
+            out = detail_findings(run, rank, mid, set(keys))
+        elif drawn is not None and f"{ids.TICK}.data" in triggers and f"{ids.SELECTED}.data" not in triggers:
+            out = detail_increment(run, rank, mid, drawn, set(keys))
+        else:
+            out = detail_full(run, rank, mid, set(keys))
+        return out._replace(opened=keys if keys != opened else no_update)
 
-    @callback(app, Output(ids.DETAIL_HEAT, "figure"), Input(ids.DETAIL_STATE, "data"))
-    @reads_store(source, failed=figures.empty_figure, tick_first=False)
-    def render_heat(state: object) -> dict[str, Any]:
+    @callback(app, Output(ids.DETAIL_HEAT, "figure"), Output(ids.DETAIL_HEAT_STATE, "data"),
+                  Input(ids.DETAIL_STATE, "data"), State(ids.DETAIL_HEAT_STATE, "data"))
+    @reads_store(source, failed=lambda text: (figures.empty_figure(text), None), tick_first=False)
+    def render_heat(state: object, drawn: object) -> tuple[Any, Any]:
         """The histogram heat map follows the other charts (drawn after them, rebuilt - thinned to
-        DETAIL_HEAT_COLUMNS - when the module got new samples)."""
+        DETAIL_HEAT_COLUMNS - when the module got new samples; the same module's keeps its zoom)."""
         if not isinstance(state, dict) or state.get("module_id") is None:
             raise PreventUpdate
         run_key, rank = state.get("view") or ["", 0]
         run = source.run(run_key or None)
         mid = int(state["module_id"])
-        return figures.heatmap_figure(run.at(int(rank)).module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS),
-                                      f"{run.key}-{rank}-{mid}")
+        key = f"{run.key}-{rank}-{mid}"
+        return heat_update(figures.heatmap_figure(
+            run.at(int(rank)).module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS), key), key, drawn)

@@ -209,6 +209,85 @@ def test_live_findings_keep_what_was_opened(page, server_factory, tmp_path):
     screenshot(page, "findings-live-open")
 
 
+
+# The open module's detail, read in one go: per root-cause card of its findings its "seen N times",
+# whether its evidence and its consequences are open, which evidence inside the consequences is, and
+# the heat map's x range and its last column's step.
+DETAIL_STATE = """
+const cards = Array.from(document.querySelectorAll('#detail-findings > .detail-findings > .finding'));
+const folded = Array.from(document.querySelectorAll('#detail-findings .consequences-list > .finding'));
+const heat = document.querySelector('#detail-heat .js-plotly-plot');
+return {module: (document.querySelector('#detail-header h2') || {}).textContent || '',
+        seen: cards.map(c => (c.querySelector(':scope > .finding-head .steps') || {}).textContent || ''),
+        evidence: cards.map(c => !!c.querySelector(':scope > details.evidence-box[open]')),
+        consequences: cards.map(c => !!c.querySelector(':scope > details.consequences[open]')),
+        folded: folded.map(c => !!c.querySelector(':scope > details.evidence-box[open]')),
+        heat_range: heat && heat.layout.xaxis && heat.layout.xaxis.range,
+        heat_last: heat && heat.data.length ? heat.data[0].x[heat.data[0].x.length - 1] : null,
+        scroll: window.scrollY, url: location.pathname};
+"""
+
+
+def drag_zoom(driver, graph: str) -> list[float]:
+    """Zoom into the x axis of ``graph`` as a user does: a mouse drag across its plot area (real
+    input events), not a Plotly call (plotly tells the two apart); the new x range."""
+    area = driver.find_element(By.CSS_SELECTOR, f"#{graph} .nsewdrag")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", area)
+    left, top, width, height = driver.execute_script(
+        "const b = arguments[0].getBoundingClientRect(); return [b.left, b.top, b.width, b.height];", area)
+    x, y = left + width * 0.3, top + height * 0.5
+
+    def mouse(kind: str, dx: float, **kw) -> None:
+        driver.execute_cdp_cmd("Input.dispatchMouseEvent", {"type": kind, "x": x + dx, "y": y, "button": "left", **kw})
+    mouse("mouseMoved", 0)
+    mouse("mousePressed", 0, clickCount=1)
+    for k in range(1, 8):
+        mouse("mouseMoved", k * width * 0.04, buttons=1)
+    mouse("mouseReleased", 7 * width * 0.04, clickCount=1)
+    return wait_for(driver, lambda d: d.execute_script(
+        "const g = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "return g.layout.xaxis.autorange === false && g.layout.xaxis.range;", graph), f"{graph} zoomed")
+
+
+def test_live_module_detail_keeps_what_the_user_did(page, server_factory, tmp_path):
+    """While the demo trains, every poll draws the open module's detail again (its findings' counts move
+    on, the heat map gets new columns): the evidence and the consequences the user opened there (and an
+    evidence inside the folded consequences) stay open, the heat map keeps the user's zoom, the page
+    keeps its scroll position and the numbers still update."""
+    srv = server_factory(["--runs-dir", str(tmp_path / "runs")])
+    page.get(srv.url + "modules")
+    click(page, ".tree-row[data-path='encoder.blocks[1]'] .tree-label")
+    wait_text(page, "encoder.blocks[1]", "#detail-header h2")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
+    zoomed = drag_zoom(page, "detail-heat")
+    root = "#detail-findings > .detail-findings > .finding:nth-child(2)"        # after the heading
+    wait_text(page, "4 consequences", f"{root} > details.consequences > summary")
+    click(page, f"{root} > details.evidence-box > summary")
+    click(page, f"{root} > details.consequences > summary")
+    click(page, f"{root} .consequences-list > .finding:nth-child(2) > details.evidence-box > summary")
+    state = wait_for(page, lambda d: (s := d.execute_script(DETAIL_STATE))["evidence"] == [True]
+                     and s["consequences"] == [True] and s["folded"] == [False, True, False, False] and s,
+                     "the evidence and consequences of encoder.blocks[1]'s finding, one consequence's evidence")
+    bottom = page.execute_script("window.scrollTo(0, document.documentElement.scrollHeight);"
+                                 "return window.scrollY;")
+    assert bottom > 0
+    seen, columns = [state["seen"][0]], [state["heat_last"]]
+    deadline = time.monotonic() + 60
+    while len(seen) < 5 or len(columns) < 4:          # polls that drew the findings and the heat map again
+        state = page.execute_script(DETAIL_STATE)
+        assert state["evidence"] == [True] and state["consequences"] == [True], f"closed after {seen}: {state}"
+        assert state["folded"] == [False, True, False, False], f"closed after {seen}: {state}"
+        assert state["heat_range"] == zoomed, f"the heat map's zoom {zoomed} lost after {columns}: {state}"
+        assert state["module"] == "encoder.blocks[1]" and state["url"] == "/modules", state
+        assert state["scroll"] == bottom, f"scrolled from {bottom} after {seen}: {state}"
+        if state["seen"][0] != seen[-1]:
+            seen.append(state["seen"][0])
+        if state["heat_last"] != columns[-1]:
+            columns.append(state["heat_last"])
+        assert time.monotonic() < deadline, f"the detail was not drawn again four times: {seen} {columns}"
+        time.sleep(0.05)
+    screenshot(page, "modules-live-open")
+
 KITCHEN = r'''
 import sys, torch, torch.nn as nn, torch.nn.functional as F
 import probes

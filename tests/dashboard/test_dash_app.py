@@ -261,6 +261,60 @@ def test_findings_are_drawn_as_the_user_left_them(tmp_path):
     assert now[evidence] == now[consequences] == (True, "true")
     assert sum(is_open for is_open, _ in now.values()) == 2
 
+
+def test_module_detail_is_drawn_as_the_user_left_them(tmp_path):
+    """The open module's detail is drawn again on every poll of a live run: the evidence the user opened
+    in its findings is drawn open in the whole detail, in a poll's increment, and in the findings alone
+    (drawn again for a toggle); the detail panel names the store its script reports toggles into."""
+    from dash import Patch, html, no_update
+
+    from dashboard import ids
+    from dashboard.components import details_key, toggled
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
+    run = RunDir.from_store(Store.open_run(tmp_path)).run()
+    mid = run.at(0).search_modules(0, "encoder.blocks[1]", None, 1)["items"][0]["module_id"]
+    unregistered, stale = modules_page.module_findings(run, 0, mid)            # both with evidence
+    closed, opened = details_key("evidence", unregistered), details_key("evidence", stale)
+    keys = set(toggled([], {"key": opened, "open": True, "t": 1}))
+
+    def drawn(section):
+        props = [d.to_plotly_json()["props"] for d in section._traverse() if isinstance(d, html.Details)]
+        return {p["data-open-key"]: (bool(p.get("open")), p["data-open"]) for p in props}
+    want = {closed: (False, "false"), opened: (True, "true")}
+    full = modules_page.detail_full(run, 0, mid, keys)
+    assert drawn(full.findings) == want
+    st.add_steps(2)
+    inc = modules_page.detail_increment(run, 0, mid, full.state, keys)
+    assert isinstance(inc.chart, Patch) and drawn(inc.findings) == want
+    alone = modules_page.detail_findings(run, 0, mid, set())
+    assert drawn(alone.findings) == {closed: (False, "false"), opened: (False, "false")}
+    assert all(out is no_update for out in alone._replace(findings=no_update))
+    st.close()
+    config = AppConfig(mode="review", store=Store.open_snapshot(tmp_path / "modscope.sqlite"))
+    panel = next(c for c in modules_page.layout(config)._traverse()
+                 if getattr(c, "className", None) == "panel detail-panel")
+    assert panel.to_plotly_json()["props"]["data-toggle-store"] == ids.DETAIL_TOGGLE
+    assert {ids.DETAIL_OPEN, ids.DETAIL_TOGGLE} <= {getattr(c, "id", None) for c in panel._traverse()}
+
+
+
+def test_heat_map_drawn_again_keeps_its_layout():
+    """The open module's heat map drawn again (new samples) changes its data only (a Patch): the layout,
+    where plotly keeps the user's zoom, stays; another module's, or the first real one, is a new figure."""
+    from dash import Patch, no_update
+    heat = figures.heatmap_figure({"step": [0, 1], "counts": [[1, 2], [2, 1]], "edges": [-1.0, 0.0, 1.0]}, "r-0-4")
+    shows = {"key": "r-0-4", "has_data": True}
+    again = modules_page.heat_update(heat, "r-0-4", shows)
+    assert isinstance(again[0], Patch) and again[1] is no_update
+    assert again[0].to_plotly_json()["operations"] == [
+        {"operation": "Assign", "location": ["data"], "params": {"value": heat["data"]}}]
+    assert modules_page.heat_update(heat, "r-0-4", None) == (heat, shows)
+    assert modules_page.heat_update(heat, "r-0-4", {"key": "r-0-5", "has_data": True}) == (heat, shows)
+    assert modules_page.heat_update(heat, "r-0-4", {"key": "r-0-4", "has_data": False}) == (heat, shows)
+    empty = figures.heatmap_figure({"step": [], "counts": []}, "r-0-4")
+    assert modules_page.heat_update(empty, "r-0-4", {"key": "r-0-4", "has_data": False}) == (
+        empty, {"key": "r-0-4", "has_data": False})
+
 def test_figures_are_pure_and_escaped():
     series = {"step": [0, 1, 2], "mean": [0.1, 0.2, 0.3], "std": [1, 1, 1], "dead_frac": [0, 0, 0],
               "sat_frac": [0, 0, 0], "zero_frac": [0, 0, 0], "out_grad_norm": [1.0, 0.1, 0.01]}
