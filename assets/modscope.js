@@ -31,21 +31,28 @@ document.addEventListener("click", function (e) {
 
 // 3. What the user opened (a finding's evidence, its folded consequences: on the Findings page, in a
 //    module's detail) stays open when it is drawn again (every poll while a run trains). Such a
-//    <details> carries data-open-key and data-open (the state it was drawn in); its container names the
-//    page's store of toggles (data-toggle-store: "findings-toggle", "detail-toggle"; dashboard/ids.py
-//    toggle_attrs). A toggle that leaves it in another state than the server last knew goes to that
-//    store, whose page keeps the key and draws it so. A <details> drawn open fires "toggle" too: not
-//    reported again.
+//    <details> carries data-open-key; its container names the page's store (data-toggle-store:
+//    "findings-toggle", "detail-toggle"; dashboard/ids.py toggle_attrs). After any toggle in the
+//    container, the keys of all its open <details> go to that store, whole: the page draws exactly
+//    those open. The whole set, not the one change: toggles faster than the server answers must not
+//    be lost (a change applied to the server's last known set would drop an earlier one still on its
+//    way). A <details> drawn open fires "toggle" too: a set equal to the last one sent is not sent.
 document.addEventListener("toggle", function (e) {
   var d = e.target;
   var key = d && d.getAttribute ? d.getAttribute("data-open-key") : null;
   var box = key && d.parentElement ? d.parentElement.closest("[data-toggle-store]") : null;
   var store = box ? box.getAttribute("data-toggle-store") : null;
   if (!store || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
-  var known = d._modscopeOpen !== undefined ? d._modscopeOpen : d.getAttribute("data-open") === "true";
-  if (d.open === known) { return; }
-  d._modscopeOpen = d.open;
-  window.dash_clientside.set_props(store, {data: {key: key, open: d.open, t: Date.now()}});
+  var keys = [];
+  box.querySelectorAll("details[data-open-key]").forEach(function (x) {
+    if (x.open) { keys.push(x.getAttribute("data-open-key")); }
+  });
+  var sent = JSON.stringify(keys);
+  if (sent === (box._modscopeSent !== undefined ? box._modscopeSent : box.getAttribute("data-open-keys"))) {
+    return;
+  }
+  box._modscopeSent = sent;
+  window.dash_clientside.set_props(store, {data: {keys: keys, t: Date.now()}});
 }, true);
 
 // 4. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);

@@ -106,22 +106,19 @@ def details_key(part: str, f: Mapping[str, Any]) -> str:
 
 
 def toggled(opened: object, toggle: object) -> list[str]:
-    """The keys of the opened ``<details>`` (a page's store of them) after ``toggle`` ({"key", "open"},
-    reported by assets/modscope.js into the store named by the container's :func:`ids.toggle_attrs`)."""
-    keys = [k for k in opened if isinstance(k, str)] if isinstance(opened, list) else []
-    if not isinstance(toggle, dict) or not isinstance(toggle.get("key"), str):
-        return keys
-    key = toggle["key"]
-    if toggle.get("open"):
-        return keys if key in keys else [*keys, key]
-    return [k for k in keys if k != key]
+    """The keys of the ``<details>`` to draw open: those the browser last reported open (``toggle``:
+    {"keys", "t"}, the whole set, written by assets/modscope.js into the store named by the container's
+    :func:`ids.toggle_attrs` after each of the user's toggles), else ``opened`` (a page's store of them)."""
+    if isinstance(toggle, dict) and isinstance(toggle.get("keys"), list):
+        return [k for k in toggle["keys"] if isinstance(k, str)]
+    return [k for k in opened if isinstance(k, str)] if isinstance(opened, list) else []
 
 
 def details(children: list[Any], cls: str, key: str | None, opened: Collection[str] | None) -> html.Details:
     """An ``<details>``; with ``opened`` (the keys the user opened), one that stays as the user left it
     when it is drawn again: open when ``key`` is in ``opened``, and marked for assets/modscope.js, which
-    reports the user's toggles (``data-open-key``; ``data-open`` is the state it was drawn in) into the
-    store its container names (``ids.toggle_attrs``); the page folds them in with :func:`toggled`."""
+    reports the keys of the open ones (``data-open-key``; ``data-open`` says the state it was drawn in)
+    into the store its container names (``ids.toggle_attrs``) after each toggle; :func:`toggled` reads it."""
     if opened is None or key is None:
         return html.Details(children, className=cls)
     is_open = key in opened

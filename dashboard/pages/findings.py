@@ -84,7 +84,7 @@ def register(app: Dash, config: AppConfig) -> None:
         once this call is made). The last toggle is applied on every call (again, it changes nothing)."""
         keys = toggled(opened, toggle)
         if (isinstance(toggle, dict) and set(ctx.triggered_prop_ids) == {f"{ids.FINDINGS_TOGGLE}.data"}
-                and keys == toggled(opened, None)):
+                and set(keys) == set(toggled(opened, None))):
             raise PreventUpdate
         run, rank = view_of(config, tick)
         items = run.folded_findings(active=None if resolved else True, rank=rank)

@@ -467,7 +467,7 @@ def register(app: Dash, config: AppConfig) -> None:
         triggers = set(ctx.triggered_prop_ids)
         # (the page drawn again, its stores new, is the toggle's store alone among the triggers too)
         toggle_only = isinstance(toggle, dict) and triggers == {f"{ids.DETAIL_TOGGLE}.data"}
-        if toggle_only and keys == toggled(opened, None):
+        if toggle_only and set(keys) == set(toggled(opened, None)):
             raise PreventUpdate
         run, rank = view_of(config, tick)
         if (not isinstance(selected, dict) or selected.get("module_id") is None

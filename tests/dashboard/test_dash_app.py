@@ -245,12 +245,12 @@ def test_findings_are_drawn_as_the_user_left_them(tmp_path):
     items = RunDir.from_store(Store.open_snapshot(path)).run().folded_findings(active=True, rank=0)
     cause = items[1]
     evidence, consequences = details_key("evidence", cause), details_key("consequences", cause)
-    keys = findings_page.toggled(findings_page.toggled([], {"key": evidence, "open": True, "t": 1}),
-                                 {"key": consequences, "open": True, "t": 2})
+    # the browser reports the whole set after each toggle: the latest wins, whatever the server drew last
+    keys = findings_page.toggled([evidence], {"keys": [evidence, consequences], "t": 2})
     assert keys == [evidence, consequences]
-    assert findings_page.toggled(keys, {"key": evidence, "open": False, "t": 3}) == [consequences]
-    assert findings_page.toggled(keys, {"key": evidence, "open": True, "t": 4}) == keys     # again: no change
-    assert findings_page.toggled(None, None) == [] and findings_page.toggled(["a", 1], {"key": 2}) == ["a"]
+    assert findings_page.toggled(keys, {"keys": [consequences], "t": 3}) == [consequences]
+    assert findings_page.toggled(keys, None) == keys                      # a poll: what was drawn stays
+    assert findings_page.toggled(None, None) == [] and findings_page.toggled(["a", 1], {"keys": [2, "b"]}) == ["b"]
 
     def drawn(opened):
         out = html.Div(findings_page.finding_list(items, ["error", "warning", "info"], opened=opened))
@@ -275,7 +275,7 @@ def test_module_detail_is_drawn_as_the_user_left_them(tmp_path):
     mid = run.at(0).search_modules(0, "encoder.blocks[1]", None, 1)["items"][0]["module_id"]
     unregistered, stale = modules_page.module_findings(run, 0, mid)            # both with evidence
     closed, opened = details_key("evidence", unregistered), details_key("evidence", stale)
-    keys = set(toggled([], {"key": opened, "open": True, "t": 1}))
+    keys = set(toggled([], {"keys": [opened], "t": 1}))
 
     def drawn(section):
         props = [d.to_plotly_json()["props"] for d in section._traverse() if isinstance(d, html.Details)]
