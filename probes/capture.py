@@ -246,6 +246,10 @@ class StepCapture:
         # a module added to the model (or swapped in) since the index was built ran: the watcher rebuilds the index
         self.index_stale = False
         self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
+        # the model runs inside compiled code of the user's (a compiled train step calling it): a sampled step then
+        # runs all compiled code eagerly, or our hooks would only ever be traced (learnt from a sampled step whose
+        # optimizer stepped while no hook of ours ran eagerly)
+        self.called_from_compiled = False
         self.updates = tensor_stats.UpdateSampler()
         self._unit_dims: dict[tuple[int, int], int] = {}      # (module id, output ndim) -> its unit dimension
         # (module id, shape, dtype, device) of a small output -> its layout, from one table of interned layouts
@@ -319,6 +323,8 @@ class StepCapture:
         rec = self.record = StepRecord(index=index)
         if self.compiled:
             self._run_eagerly(rec)
+        if self.called_from_compiled and _HAS_STANCE:
+            rec.stances.append(torch.compiler.set_stance("force_eager"))    # undone at detach()
         trigger = self._eager(self.on_trigger)
         if self._top_level is None or self._top_level[0] is not index:
             self._top_level = (index, index.top_level_modules())
@@ -329,6 +335,8 @@ class StepCapture:
         """Remove every hook of the step; returns what it gathered."""
         rec, self.record = self.record, None
         if rec is not None:
+            if not rec.live and rec.optimizer_stepped:
+                self.called_from_compiled = True      # the model's forward ran, but only dynamo saw our hooks
             for module, call in rec.compiled_calls:
                 module._compiled_call_impl = call
             rec.compiled_calls.clear()
@@ -405,7 +413,7 @@ class StepCapture:
 
     def on_trigger(self, module: nn.Module, args: Any) -> None:
         rec, index = self.record, self.index
-        if rec is None or index is None or self.closed or rec.live:
+        if rec is None or index is None or self.closed or rec.live or measure.is_compiling():
             return
         with self.probe.guard("attach"):
             self.probe.gc.pause()              # until the end of the step's finishing work
@@ -454,7 +462,7 @@ class StepCapture:
     # ====================================================================== forward
     def on_pre_forward(self, module: nn.Module, args: Any) -> None:
         rec, index = self.record, self.index
-        if rec is None or index is None or self.closed:
+        if rec is None or index is None or self.closed or measure.is_compiling():
             return
         mid = index.module_ids.get(id(module))
         if mid is not None and mid != index.root_id and rec.stack:
@@ -510,7 +518,7 @@ class StepCapture:
 
     def on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         rec, index = self.record, self.index
-        if rec is None or index is None or self.closed or not rec.stack:
+        if rec is None or index is None or self.closed or not rec.stack or measure.is_compiling():
             return
         self._guarded("forward-hook", self._forward, rec, index, module, output)
 

@@ -36,6 +36,12 @@ def reads_free(device: torch.device) -> bool:
     return device.type in FREE_READ_DEVICES
 
 
+# True while dynamo traces code that calls the watched model (a compiled function, Lightning's compiled
+# validation_step): the hooks then run at trace time. They return at once: their timing (time.perf_counter) would
+# break the graph, their bookkeeping would be traced into it, and what they observe belongs to eager calls
+is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
 def host_number(value: object) -> float | None:
     """``value`` (a param group's lr, say) as a float when the host can read it without a device sync: a Python
     number, or a one-value tensor on a device whose reads are free; None for a tensor held on an accelerator and

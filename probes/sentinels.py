@@ -75,6 +75,8 @@ class RootSentinel:
         return log
 
     def on_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if measure.is_compiling():
+            return
         root = self._root if self._root is not None else module
         if torch.is_grad_enabled():
             if root.training:
@@ -95,6 +97,8 @@ class RootSentinel:
                         log.nograd_train_modules.append(path)
 
     def on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if measure.is_compiling():
+            return
         root = self._root if self._root is not None else module
         if root.training or not torch.is_grad_enabled():
             return

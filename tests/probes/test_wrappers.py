@@ -225,6 +225,63 @@ def test_only_the_watched_model_runs_eagerly_on_sampled_steps(tmp_path):
     assert watched == bare                    # the loss's graph, and none of the watched model's
 
 
+def _compiled_function_run(watch: bool, steps: int, run_dir, compiled: str, every: int = 2):
+    """The model itself is not compiled; a compiled function calls it: the train step's loss (``compiled``:
+    "train") or, between eager training steps, an evaluation under no_grad in eval mode ("eval")."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = zoo.MLP(din=8, hidden=16, dout=2, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def loss_of(x, y):
+        return F.cross_entropy(model(x), y)
+    w = probes.watch(model, opt, run_dir=run_dir, every=every) if watch else None
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 2, (8,), generator=g)
+        loss = loss_of(x, y) if compiled == "train" else F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if w is not None:
+            w.step(loss)
+        losses.append(loss.detach())
+        if compiled == "eval":
+            model.eval()
+            with torch.no_grad():
+                losses.append(loss_of(x, y))
+            model.train()
+    if w is not None:
+        assert not w.probe_errors and w.findings() == [], (w.probe_errors, w.findings())
+        w.close()
+    stats = {k: dict(counters[k]) for k in ("frames", "stats", "graph_break", "recompiles")}
+    return stats, losses, w
+
+
+@pytest.mark.parametrize("compiled", ["train", "eval"])
+def test_a_compiled_function_calling_the_watched_model_keeps_its_graph(tmp_path, compiled):
+    """Dynamo traces through the model and its hooks (Lightning compiles training_step and validation_step
+    so). Ours return at once while traced: no graph break (their timing would be one), no module of dynamo's
+    taken for one of the model's. A sampled step whose forward ran only as compiled code (its hooks never ran
+    eagerly) teaches the watcher to run all compiled code eagerly on the sampled steps after it, which are
+    measured."""
+    bare, bare_losses, _ = _compiled_function_run(False, 12, None, compiled)
+    watched, watched_losses, w = _compiled_function_run(True, 12, tmp_path / "run", compiled)
+    assert not bare["graph_break"] and not watched["graph_break"]
+    assert all(torch.equal(a, b) for a, b in zip(bare_losses, watched_losses, strict=True))
+    assert stored(w.store_path, "SELECT COUNT(*) FROM modules WHERE kind = 'runtime'") == [(0,)]
+    measured = [s for s, in stored(w.store_path, "SELECT DISTINCT step FROM module_stats ORDER BY step")]
+    # one graph more at most, over six sampled steps: the compiled code traced once while a sampled step was armed
+    # (its trigger hooks on the model), kept in dynamo's cache, never traced again
+    assert watched["stats"]["unique_graphs"] <= bare["stats"]["unique_graphs"] + 1
+    assert measured == ([0, 2, 4, 6, 8, 10] if compiled == "eval" else [2, 4, 6, 8, 10])
+
+
 def test_two_watched_compiled_models_leave_no_eager_stance_behind(tmp_path):
     """A GAN-like pair, each watched (interleaved sampled steps); after both close, a fresh compiled function
     compiles: no stance was left forcing eager execution."""
