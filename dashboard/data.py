@@ -964,21 +964,45 @@ class Store:
     _PARAM_STAT_COLS = ("grad_norm", "data_norm", "update_norm", "update_ratio", "local_grad_norm", "fingerprint")
 
     def module_params(self, rank: int, module_id: int, limit: int = MAX_PARAMS) -> list[Row]:
-        """The parameters/buffers/tensors owned by a module, with their latest statistics."""
+        """The parameters/buffers/tensors owned by a module, with their latest statistics: those stored
+        under it (``p.module_id``) and those it owns by another name (a tied weight, stored once under
+        its first path with the others in ``aliases``). Each row has ``shared_with``: the tensor's other
+        paths (its primary ``path`` first for one owned by an alias, whose ``name`` is then the alias's)
+        and ``primary``: whether this module is the one the tensor is stored (and counted) under."""
+        m = self.module(rank, module_id)
+        prefix = f"{m['path']}." if m is not None and m["path"] else ""
+        # a candidate for an alias owned here: its JSON list holds a string starting with the module's path
+        encoded = json.dumps(prefix)[1:-1]         # as the writer encodes it (probes.records: json.dumps)
+        like = '%"' + encoded.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._query(
-            f"SELECT {', '.join('p.' + c for c in self._PARAM_COLS)}, s.step AS stat_step, "
+            f"SELECT {', '.join('p.' + c for c in self._PARAM_COLS)}, p.module_id AS owner_id, "
+            "s.step AS stat_step, "
             f"{self._select('param_stats', self._PARAM_STAT_COLS, 's')}, "
             f"{self._column('param_stats', 'lr', 's')} AS step_lr "
             "FROM params p LEFT JOIN param_stats s ON s.rank = p.rank AND s.param_id = p.param_id "
             "AND s.step = (SELECT MAX(step) FROM param_stats WHERE rank = p.rank "
             "AND param_id = p.param_id) "
-            "WHERE p.rank = ? AND p.module_id = ? ORDER BY p.param_id LIMIT ?",
-            (rank, module_id, limit), limit=limit)
+            "WHERE p.rank = ? AND (p.module_id = ? OR (p.aliases LIKE ? ESCAPE '\\' AND ? = 1)) "
+            "ORDER BY p.param_id LIMIT ?",
+            (rank, module_id, like, int(m is not None), limit), limit=limit)
         out = []
         for r in rows:
             d = dict(r)
-            d["shape"] = _loads(d["shape"])
             d["aliases"] = _loads(d["aliases"], []) or []
+            owner = d.pop("owner_id")
+            if owner == module_id:
+                d["primary"] = True
+                d["shared_with"] = [str(a) for a in d["aliases"]]
+            else:
+                # owned here by an alias naming a direct attribute of this module
+                mine = [str(a) for a in d["aliases"]
+                        if str(a).startswith(prefix) and "." not in str(a)[len(prefix):]]
+                if not mine:
+                    continue
+                d["primary"] = False
+                d["shared_with"] = [d["path"], *(str(a) for a in d["aliases"] if str(a) != mine[0])]
+                d["path"], d["name"] = mine[0], mine[0][len(prefix):]
+            d["shape"] = _loads(d["shape"])
             # the lr of the latest sampled step (a scheduler changes it); params.lr is the one at the index's
             # build, all an older store has
             step_lr = _finite(d.pop("step_lr"))
@@ -987,6 +1011,12 @@ class Store:
                 d[k] = _finite(d[k])
             out.append(d)
         return out
+
+    def optimizer_count(self, rank: int = 0) -> int:
+        """How many optimizers hold parameters of this rank (distinct ``params.opt_index``)."""
+        row = self._one("SELECT COUNT(DISTINCT opt_index) AS n FROM params WHERE rank = ? "
+                        "AND opt_index IS NOT NULL", (rank,))
+        return _int(row["n"]) if row else 0
 
     def modules_for_paths(self, rank: int, paths: Iterable[str]) -> dict[str, Row]:
         """The module each finding path belongs to (the path itself or its longest module prefix), for
@@ -1129,13 +1159,78 @@ class Store:
 def snapshot_bytes(paths: Sequence[Path]) -> bytes:
     """One consistent file of the stores at ``paths`` (the rank files of one run), as bytes:
     ``probes.schema.snapshot``, the one snapshot function (also behind ``w.snapshot(path)``)."""
+    return snapshot_with_step(paths)[0]
+
+
+def snapshot_with_step(paths: Sequence[Path], rank: int = 0) -> tuple[bytes, int | None]:
+    """:func:`snapshot_bytes` and the newest step of ``rank`` in those very bytes (read from the copy,
+    not from the store a writer may have moved on since: what a download's file name says)."""
     if not paths:
         raise StoreNotReadyError("nothing to snapshot yet: waiting for the first sample")
     with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
         try:
-            return snapshot(list(paths), Path(d) / "snapshot.sqlite").read_bytes()
+            dst = snapshot(list(paths), Path(d) / "snapshot.sqlite")
+            conn = sqlite3.connect(_sqlite_uri(dst, immutable=True), uri=True)
+            try:
+                row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,)).fetchone()
+            finally:
+                conn.close()
+            return dst.read_bytes(), (int(row[0]) if row and row[0] is not None else None)
         except (sqlite3.Error, OSError, ValueError) as exc:
             raise StoreError(_describe_db_error(Path(paths[0]), exc)) from None
+
+
+# -- root causes (every page counts and folds findings with these) ---------------------------
+def fold_causes(items: Sequence[Mapping[str, Any]]) -> list[Row]:
+    """Root causes with their consequences folded under them: a finding whose ``cause_code`` /
+    ``cause_path`` names another finding of ``items`` goes into the ``consequences`` of the root
+    cause at the end of that chain; the others (root causes, and consequences whose cause is not
+    among ``items``) come back in their order, each with its ``consequences`` list."""
+    keyed: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for f in items:
+        keyed.setdefault((str(f["code"]), str(f["path"])), f)
+
+    def root_of(f: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The root cause ``f`` folds under (None: ``f`` is shown on its own). Causes that name each
+        other in a circle (a writer's mistake) fold under the smallest of them, which stays visible."""
+        own = (str(f["code"]), str(f["path"]))
+        chain = [own]
+        cur = f
+        while cur.get("cause_code"):
+            nxt = (str(cur["cause_code"]), str(cur.get("cause_path") or ""))
+            if nxt not in keyed:
+                break
+            if nxt in chain:
+                rep = min(chain[chain.index(nxt):])
+                return None if rep == own else rep
+            chain.append(nxt)
+            cur = keyed[nxt]
+        return None if len(chain) == 1 else chain[-1]
+
+    roots: list[Row] = []
+    index: dict[tuple[str, str], Row] = {}
+    folded: dict[tuple[str, str], list[Row]] = {}
+    for f in items:
+        r = root_of(f)
+        if r is None:
+            row = {**f, "consequences": []}
+            roots.append(row)
+            index.setdefault((str(f["code"]), str(f["path"])), row)
+        else:
+            folded.setdefault(r, []).append({**f, "consequences": []})
+    for key, consequences in folded.items():
+        if key in index:
+            index[key]["consequences"] = consequences
+    return roots
+
+
+def root_counts(roots: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Root causes by severity (a severity this version does not know counts as info)."""
+    out = {str(s): 0 for s in Severity}
+    for f in roots:
+        sev = str(f["severity"]) if str(f["severity"]) in out else Severity.INFO.value
+        out[sev] += 1
+    return out
 
 
 # -- compare ---------------------------------------------------------------------------------
@@ -1168,13 +1263,7 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
     fa_list = list(findings_a) if findings_a is not None else a.findings(rank, active=True)
     fb_list = list(findings_b) if findings_b is not None else b.findings(rb, active=True)
 
-    def severities(items: Sequence[Row]) -> dict[str, int]:
-        out = {str(s): 0 for s in Severity}
-        for f in items:
-            key = str(f["severity"])
-            out[key] = out.get(key, 0) + 1
-        return out
-    sev_a, sev_b = severities(fa_list), severities(fb_list)
+    sev_a, sev_b = root_counts(fold_causes(fa_list)), root_counts(fold_causes(fb_list))
 
     def summary_row(label: str, va: Any, vb: Any) -> Row:
         return {"metric": label, "a": va, "b": vb, "changed": va != vb}
@@ -1192,6 +1281,7 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
         summary_row("held by optimizer", ova["params"].get("in_optimizer", 0),
                     ovb["params"].get("in_optimizer", 0)),
         summary_row("checkpoint keys", len(keys_a), len(keys_b)),
+        # root causes, as the Overview, the Findings tab and the report count them
         summary_row("errors", sev_a[Severity.ERROR], sev_b[Severity.ERROR]),
         summary_row("warnings", sev_a[Severity.WARNING], sev_b[Severity.WARNING]),
         summary_row("last step", ova["step"], ovb["step"]),

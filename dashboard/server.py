@@ -255,9 +255,9 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
         if not n:
             raise PreventUpdate
         run, rank = view_of(config, Tick.from_data(tick))
-        data = run.snapshot_bytes()
+        data, step = run.snapshot_with_step(rank)      # the step the copied bytes hold, not the live store's
         ov = run.at(rank).overview(rank)
-        name = f"{_safe_filename(ov.get('run_name'))}-step{ov.get('step')}.sqlite"
+        name = f"{_safe_filename(ov.get('run_name'))}-step{step}.sqlite"
         return dcc.send_bytes(data, filename=name), no_update
 
     @callback(app, Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),

@@ -12,7 +12,7 @@ again, as on the Findings page.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dash import ClientsideFunction, Dash, Input, Output, Patch, State, ctx, dcc, html, no_update
@@ -212,7 +212,13 @@ def expand_to(store: Store, rank: int, module_id: int, expanded: object, view: l
 
 
 # -- detail rendering ---------------------------------------------------------------------------------
-def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
+def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
+                  params: Sequence[Mapping[str, Any]] = ()) -> list[Any]:
+    """The module's title and counts. The counts are the store's (``modules.params_total``: each tensor
+    once, under the module it is stored under); a tensor this module owns by another name (a tied
+    weight) is named beside them."""
+    shared = [p for p in params if p.get("primary") is False]
+    shared_numel = sum(_int(p.get("numel")) for p in shared)
     return [
         html.Div([html.H2(display_path(m["path"]), className="mono"),
                   html.Span(m["type"], className="detail-type", title=m.get("type_module") or ""),
@@ -222,6 +228,9 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
             html.Span(f"{m['params_trainable']:,} trainable"),
             html.Span(f"{m['params_in_optimizer']:,} held by the optimizer",
                       className="bad" if m["params_in_optimizer"] < m["params_trainable"] else ""),
+            html.Span(f"+ {shared_numel:,} shared with "
+                      + ", ".join(str(p["shared_with"][0]) for p in shared) + " (counted there)",
+                      title="tied: the same tensor under another name") if shared else None,
             html.Span(f"{m['n_children']:,} children"),
             html.Span(f"first seen at step {m['first_step']}") if m.get("first_step") is not None else None,
         ], className="detail-facts"),
@@ -230,17 +239,21 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]]) -> list[Any]:
 
 def findings_section(items: list[dict[str, Any]], *, show_ranks: bool = False,
                      opened: Collection[str] = frozenset()) -> html.Div | None:
-    """The module's findings: root causes with their consequences folded under them; the evidence and
-    consequences whose keys (components.details_key) are in ``opened`` drawn open."""
+    """The module's findings (``module_findings``: root causes with their consequences already folded
+    under them); the evidence and consequences whose keys (components.details_key) are in ``opened``
+    drawn open."""
     if not items:
         return None
     return html.Div([html.H3("Findings"), *[finding_card(f, show_ranks=show_ranks, opened=opened)
-                                            for f in fold_causes(items)]], className="detail-findings")
+                                            for f in items]], className="detail-findings")
 
 
 def module_findings(run: Run, rank: int, mid: int) -> list[dict[str, Any]]:
-    """The run's findings (merged over its ranks, resolved ones too) drawn on module ``mid`` of ``rank``."""
-    return [f for f in run.findings_merged(active=None, rank=rank) if f.get("module_id") == mid]
+    """The run's findings (merged over its ranks, resolved ones too) that concern module ``mid`` of
+    ``rank``, folded over the whole run first (as on the Findings page and the Overview): each root
+    cause drawn on the module or with a consequence drawn on it, with all its consequences."""
+    return [f for f in fold_causes(run.findings_merged(active=None, rank=rank))
+            if f.get("module_id") == mid or any(c.get("module_id") == mid for c in f["consequences"])]
 
 
 def ranks_table(norms: Mapping[str, Any]) -> html.Div | None:
@@ -269,18 +282,37 @@ def _yn(v: object) -> str:
     return "–" if v is None else ("yes" if v else "no")
 
 
-def params_table(params: list[dict[str, Any]]) -> html.Div:
+def _int(v: object) -> int:
+    return v if isinstance(v, int) else 0
+
+
+def optimizer_text(p: Mapping[str, Any], several: bool) -> str:
+    """Where the optimizer holds ``p``: "yes (group 0, lr 0.01)", naming the optimizer ("optimizer 1,
+    group 0") when the run has more than one."""
+    if not p["in_optimizer"]:
+        return "no"
+    where = [f"optimizer {p['opt_index']}"] if several and p.get("opt_index") is not None else []
+    where.append(f"group {p['opt_group']}")
+    if p["lr"] is not None:
+        where.append(f"lr {figures.fmt_num(p['lr'])}")
+    return f"yes ({', '.join(where)})"
+
+
+def params_table(params: list[dict[str, Any]], optimizers: int = 1) -> html.Div:
+    """The module's tensors (``Store.module_params``); ``optimizers``: how many the run has."""
     if not params:
         return message("This module owns no parameters or buffers.")
     rows = []
     for p in params:
-        opt = (f"yes (group {p['opt_group']}" + (f", lr {figures.fmt_num(p['lr'])}" if p["lr"] is not None else "")
-               + ")") if p["in_optimizer"] else "no"
+        opt = optimizer_text(p, optimizers > 1)
         bad_opt = p["requires_grad"] and not p["in_optimizer"] and p["kind"] != TensorKind.BUFFER
         moved = {1: "yes", 0: "no", None: "–"}.get(p["moved"], "–")
+        others = [str(x) for x in p.get("shared_with") or []]
+        shared = (f" · same tensor as {others[0]}" if p.get("primary") is False
+                  else f" · shared with {', '.join(others)}" if others else "")
         rows.append([
             html.Td(p["name"], className="mono", title=p["path"]),
-            html.Td(p["kind"] + ("" if p["in_state_dict"] else " · not in state_dict"),
+            html.Td(p["kind"] + ("" if p["in_state_dict"] else " · not in state_dict") + shared,
                     className="bad" if p["kind"] == TensorKind.TENSOR else ""),
             html.Td("×".join(str(s) for s in p["shape"]) if isinstance(p["shape"], list) else "uninitialised",
                     className="mono"),
@@ -327,10 +359,13 @@ def detail_full(run: Run, rank: int, mid: int, opened: Collection[str] = frozens
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     series = store.module_series(rank, mid, max_points=DETAIL_POINTS)
     several = len(run.ranks()) > 1
+    params = store.module_params(rank, mid)
     return DetailOutputs(
-        detail_header(m, own), findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
+        detail_header(m, own, params),
+        findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
         shown(),
-        figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}"), params_table(store.module_params(rank, mid)),
+        figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}"),
+        params_table(params, store.optimizer_count(rank)),
         ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {"view": [run.key, rank], "rank": rank, "module_id": mid, "last": series["last"],
          "has_data": bool(series["step"]), "has_grad": any(v is not None for v in series["out_grad_norm"])})
@@ -362,10 +397,11 @@ def detail_increment(run: Run, rank: int, mid: int, state: dict[str, Any],
     m = store.module(rank, mid)
     own = store.findings_for_modules(rank, [mid]).get(mid, [])
     several = len(run.ranks()) > 1
+    params = store.module_params(rank, mid)
     return DetailOutputs(
-        detail_header(m, own) if m else no_update,
+        detail_header(m, own, params) if m else no_update,
         findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
-        no_update, chart, params_table(store.module_params(rank, mid)),
+        no_update, chart, params_table(params, store.optimizer_count(rank)),
         ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {**state, "last": new["last"], "has_grad": has_grad})
 

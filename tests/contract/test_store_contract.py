@@ -35,7 +35,7 @@ from dashboard.pages import findings as findings_page
 from dashboard.pages import modules as modules_page
 from dashboard.pages import overview as overview_page
 from dashboard.report import build_report
-from dashboard.run import RunDir, fold_causes
+from dashboard.run import RunDir, fold_causes, root_counts
 from probes import schema
 from tests.probes import zoo
 
@@ -359,6 +359,10 @@ def test_compare_before_and_after_the_fix(runs):
     assert (row["path_a"], row["path_b"], row["kind_a"], row["kind_b"]) == \
         ("encoder.blocks[0]", "encoder.blocks.0", "unregistered", "registered")
     assert (row["in_opt_a"], row["in_opt_b"]) == (0, 272) and row["changed"]
+    # errors and warnings are root causes, as the Overview, the Findings tab and the report count them
+    roots = root_counts(fold_causes(runs["xor"].store.findings()))
+    assert (summary["errors"][0], summary["warnings"][0]) == (roots["error"], roots["warning"])
+    assert summary["errors"][0] < len([f for f in runs["xor"].store.findings() if f["severity"] == "error"])
 
 
 # -- other models of the zoo --------------------------------------------------------------------------------
@@ -368,6 +372,12 @@ def test_tied_weights_of_a_gpt(runs):
     assert [(f["path"], f["severity"]) for f in shared] == [("wte.weight", "info")]
     wte = {p["name"]: p for p in s.module_params(0, by_path(s, "wte")["module_id"])}["weight"]
     assert wte["aliases"] == ["head.weight"] and wte["in_state_dict"] == 1
+    assert (wte["primary"], wte["shared_with"]) == (True, ["head.weight"])
+    # the head owns the same tensor by its alias: listed there too, with the same statistics
+    [head] = s.module_params(0, by_path(s, "head")["module_id"])
+    assert (head["name"], head["path"], head["primary"], head["shared_with"]) == \
+        ("weight", "head.weight", False, ["wte.weight"])
+    assert (head["param_id"], head["grad_norm"], head["numel"]) == (wte["param_id"], wte["grad_norm"], wte["numel"])
     keys = s.state_dict_keys()
     assert {"wte.weight", "head.weight"} <= set(keys) and not [k for k in keys if k.endswith(".mask")]
     mask = {p["name"]: p for p in s.module_params(0, by_path(s, "blocks.0.attn")["module_id"])}["mask"]
@@ -399,6 +409,7 @@ def test_two_optimizers_of_a_gan(runs):
     assert s.module_series(0, by_path(s, "discriminator")["module_id"])["calls"] == [3] * STEPS
     assert s.loss_series()["loss"] == pytest.approx(r.losses, rel=1e-6)
     assert s.last_step() == STEPS - 1 and s.overview()["params"]["in_optimizer"] == 377
+    assert s.optimizer_count(0) == 2 and runs["xor"].store.optimizer_count(0) == 1
 
 
 # -- a version-1 store of the real writer ---------------------------------------------------------------------
@@ -508,6 +519,8 @@ def test_a_real_run_read_as_a_run(runs, tmp_path):
     snap = tmp_path / "run.sqlite"
     snap.write_bytes(run.snapshot_bytes())
     assert Store.open_snapshot(snap).findings(active=None) == r.store.findings(active=None)
+    data, step = run.snapshot_with_step(0)          # the step a download's name gives: the copy's own
+    assert step == STEPS - 1 and data[:16] == b"SQLite format 3\x00"
 
 
 def s_meta_run_id(r: Recorded) -> str:

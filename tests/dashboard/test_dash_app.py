@@ -361,3 +361,63 @@ def test_port_in_use(demo_snapshot):
         r = run_app("--snapshot", str(demo_snapshot), "--port", str(port))
     assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
     assert "modscope dashboard:" not in r.stdout           # no URL printed for a server that is not there
+
+
+def _text(component) -> str:
+    """The text a component tree draws."""
+    if isinstance(component, (list, tuple)):
+        return " ".join(_text(c) for c in component)
+    if isinstance(component, (str, int, float)):
+        return str(component)
+    return _text(getattr(component, "children", None) or [])
+
+
+def test_module_detail_lists_a_tied_weight_and_names_the_optimizer(tmp_path):
+    """lm_head owns transformer.wte.weight by its alias: the detail lists it (shared, with its
+    statistics) and says where it is counted, never "owns no parameters"; with two optimizers the
+    "in optimizer" column names the one holding each tensor."""
+    from dash import html
+    st = synth_store.SynthStore(tmp_path / "modscope.sqlite", run_name="tied", model_class="GAN")
+    root = st.add_module("", None, "", "GAN", params=4096 + 64)
+    wte = st.add_module("wte", root, "wte", "Embedding", params=4096)
+    st.add_param(wte, "wte.weight", "weight", [128, 32], aliases=["lm_head.weight"])
+    head = st.add_module("lm_head", root, "lm_head", "Linear", params=0, trainable=0, in_opt=0)
+    d = st.add_module("D", root, "D", "Linear", params=64)
+    st.add_param(d, "D.weight", "weight", [2, 32])
+    st.commit()
+    st.add_steps(2)
+    st.close()
+    run = RunDir.from_store(Store.open_snapshot(st.path)).run()
+    full = modules_page.detail_full(run, 0, head)
+    params = _text(html.Div(full.params))
+    assert "owns no parameters" not in params and "weight" in params and "same tensor as wte.weight" in params
+    assert "+ 4,096 shared with wte.weight (counted there)" in _text(html.Div(full.header))
+    assert "yes (group 0, lr 0.01)" in params                         # one optimizer: no number
+    conn = sqlite3.connect(st.path)
+    conn.execute("UPDATE params SET opt_index = 1 WHERE path = 'D.weight'")
+    conn.commit()
+    conn.close()
+    run = RunDir.from_store(Store.open_snapshot(st.path)).run()
+    assert "yes (optimizer 1, group 0, lr 0.01)" in _text(html.Div(modules_page.detail_full(run, 0, d).params))
+    assert "yes (optimizer 0, group 0" in _text(html.Div(modules_page.detail_full(run, 0, wte).params))
+
+
+def test_module_detail_shows_the_same_folded_card_as_the_findings_page(tmp_path):
+    """A root cause on `head` whose consequences are drawn on `head` and on the root: the module's
+    detail shows it with all three, as the Findings page and the Overview do."""
+    st = synth_store.SynthStore(tmp_path / "modscope.sqlite", run_name="bugs")
+    ids = synth_store.demo_model(st)
+    cause = ("not-in-optimizer", "head.bias")
+    st.add_finding(*cause, "error", ids["head"], "head.bias is in no optimizer.")
+    st.add_finding("not-updating", "head.bias", "error", ids["head"], "never changes", cause=cause)
+    st.add_finding("grad-accumulating", "head.bias", "warning", ids["head"], "never zeroed", cause=cause)
+    st.add_finding("stale-optimizer-param", "optimizer.param_groups[0]['params'][7]", "warning", ids[""],
+                   "the optimizer holds a tensor the model no longer has", cause=cause)
+    st.add_steps(2)
+    st.close()
+    run = RunDir.from_store(Store.open_snapshot(st.path)).run()
+    [page_card] = [f for f in run.folded_findings(active=None, rank=0) if (f["code"], f["path"]) == cause]
+    assert len(page_card["consequences"]) == 3
+    assert modules_page.module_findings(run, 0, ids["head"]) == [page_card]
+    # the root shows the card too (one of its consequences is drawn there), whole
+    assert page_card in modules_page.module_findings(run, 0, ids[""])

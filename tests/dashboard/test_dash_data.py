@@ -510,3 +510,71 @@ def test_finished_run_in_a_read_only_place():
         for p in dirs:
             os.chmod(p, 0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- one definition everywhere: tied weights, root causes, optimizers, snapshot names -------------------
+def tied_store(path: Path) -> synth_store.SynthStore:
+    """A GPT-2-like model whose lm_head.weight is transformer.wte.weight (stored once, with an alias), a
+    module whose path only matches lm_head's under LIKE's ``_`` wildcard, and two optimizers."""
+    st = synth_store.SynthStore(path, run_name="tied", model_class="GPT2")
+    root = st.add_module("", None, "", "GPT2", params=4096 + 64)
+    tr = st.add_module("transformer", root, "transformer", "Transformer", params=4096)
+    wte = st.add_module("transformer.wte", tr, "wte", "Embedding", params=4096)
+    st.add_param(wte, "transformer.wte.weight", "weight", [128, 32], aliases=["lm_head.weight"])
+    st.add_module("lm_head", root, "lm_head", "Linear", params=0, trainable=0, in_opt=0)
+    lmx = st.add_module("lmXhead", root, "lmXhead", "Linear", params=64)
+    st.add_param(lmx, "lmXhead.weight", "weight", [2, 32])
+    st.commit()
+    st.add_steps(3)
+    st.close()
+    return st
+
+
+def test_a_tied_weight_is_listed_under_every_module_that_owns_it(tmp_path):
+    st = tied_store(tmp_path / "modscope.sqlite")
+    s = Store.open_run(tmp_path)
+    mid = {m["path"]: m["module_id"] for m in st.modules}
+    [head] = s.module_params(0, mid["lm_head"])
+    assert (head["name"], head["path"], head["primary"]) == ("weight", "lm_head.weight", False)
+    assert head["shared_with"] == ["transformer.wte.weight"] and head["numel"] == 4096
+    assert head["grad_norm"] is not None and head["stat_step"] == 2          # its statistics come along
+    [wte] = s.module_params(0, mid["transformer.wte"])
+    assert (wte["path"], wte["primary"], wte["shared_with"]) == ("transformer.wte.weight", True, ["lm_head.weight"])
+    assert [p["path"] for p in s.module_params(0, mid["lmXhead"])] == ["lmXhead.weight"]   # `_` is no wildcard
+    assert s.module_params(0, mid["transformer"]) == [] and s.module_params(0, mid[""]) == []
+    # the store's counts stay each tensor once per subtree: lm_head counts 0, the root once
+    assert s.module(0, mid["lm_head"])["params_total"] == 0 and s.overview()["params"]["total"] == 4096 + 64
+
+
+def test_compare_counts_root_causes_like_every_other_page(tmp_path):
+    from dashboard.run import fold_causes, root_counts
+    synth_store.three_layers(tmp_path / "a" / "modscope.sqlite")      # 3 root causes, 12 consequences
+    a = Store.open_run(tmp_path / "a")
+    assert len(a.findings()) == 15
+    roots = root_counts(fold_causes(a.findings()))
+    assert roots["error"] == 3 and roots["warning"] == 0
+    summary = {r["metric"]: r for r in compare_stores(a, a)["summary"]}
+    assert (summary["errors"]["a"], summary["warnings"]["a"]) == (3, 0)
+
+
+def test_optimizer_count(tmp_path):
+    st = tied_store(tmp_path / "modscope.sqlite")
+    s = Store.open_run(tmp_path)
+    assert s.optimizer_count(0) == 1
+    conn = sqlite3.connect(st.path)
+    conn.execute("UPDATE params SET opt_index = 1 WHERE path = 'lmXhead.weight'")
+    conn.commit()
+    conn.close()
+    assert Store.open_run(tmp_path).optimizer_count(0) == 2
+
+
+def test_snapshot_is_named_by_the_step_it_holds(tmp_path):
+    from dashboard.run import RunDir
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
+    run = RunDir.open(tmp_path).run()
+    data, step = run.snapshot_with_step(0)
+    st.add_steps(3)                      # the writer moves on: the copy still holds step 4
+    out = tmp_path / "copy.sqlite"
+    out.write_bytes(data)
+    assert step == 4 == Store.open_snapshot(out).overview()["step"] < run.at(0).overview()["step"]
+    st.close()
