@@ -98,16 +98,35 @@ document.addEventListener("toggle", function (e) {
       el.classList.toggle("selected", mid !== null && el.getAttribute("data-mid") === mid);
     });
   }
+  function refocus(box, keep) {
+    var target = null;
+    box.querySelectorAll(".tree-row").forEach(function (el) {
+      if (target || el.getAttribute("data-mid") !== keep.mid) { return; }
+      var els = el.querySelectorAll("[data-action]");
+      for (var i = 0; i < els.length && !target; i++) {
+        if (els[i].getAttribute("data-action") === keep.action) { target = els[i]; }
+      }
+      if (!target) { target = el.querySelector(".tree-label"); }
+    });
+    if (target) { target.focus({preventScroll: true}); }
+  }
   window.dash_clientside = window.dash_clientside || {};
   window.dash_clientside.modscope = Object.assign({}, window.dash_clientside.modscope, {
     renderTree: function (data, selected) {
       var box = document.getElementById("tree");
       if (!box || !data) { return window.dash_clientside.no_update; }
+      // the element focused in the tree (a toggle just pressed with Enter) is destroyed by the redraw:
+      // focus the same node's element again (same data-mid and data-action; its label when the
+      // toggle is gone), else the keyboard user is thrown back to <body> (and the next Tab to the root)
+      var act = document.activeElement;
+      var focused = act && box.contains(act) && act.closest ? act.closest(".tree-row") : null;
+      var keep = focused ? {mid: focused.getAttribute("data-mid"), action: act.getAttribute("data-action")} : null;
       var frag = document.createDocumentFragment();
       (data.rows || []).forEach(function (r) { frag.appendChild(row(r)); });
       if (data.message) { frag.appendChild(span("message muted", data.message)); }
       box.replaceChildren(frag);
       highlight(box, selected);
+      if (keep) { refocus(box, keep); }
       return window.dash_clientside.no_update;
     },
     // The selection a click makes (dashboard/pages/modules.py handle_click does the rest: the

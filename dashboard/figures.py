@@ -144,7 +144,7 @@ def detail_series_figure(series: Series, uirevision: object, height: int = 700) 
     if not steps:
         return empty_figure("No activation samples for this module yet.", height)
     layout = _base(None, height, uirevision)
-    layout["margin"] = {"l": 52, "r": 28, "t": 48, "b": 40}
+    layout["margin"] = {"l": 52, "r": 28, "t": 32, "b": 40}
     layout["xaxis"] = _axis(anchor="y3")
     if max(steps) - min(steps) < 8:
         layout["xaxis"]["dtick"] = 1
@@ -154,12 +154,13 @@ def detail_series_figure(series: Series, uirevision: object, height: int = 700) 
         yname, legend = ("yaxis", "legend") if k == 0 else (f"yaxis{k + 1}", f"legend{k + 1}")
         yref = yname.replace("axis", "")
         ax = _axis(domain=list(domain), anchor="x")
-        # the title on its own line above the panel's legend: side by side they overlap in a narrow chart
+        # the title alone above the panel, the legend a column right of the panel (the right margin
+        # grows to fit it): a legend above the panel wraps in a narrow chart and covers the title
         annotations.append({"text": title, "showarrow": False, "xref": "paper", "yref": "paper",
-                            "x": 0, "y": domain[1], "xanchor": "left", "yanchor": "bottom", "yshift": 20,
+                            "x": 0, "y": domain[1], "xanchor": "left", "yanchor": "bottom", "yshift": 4,
                             "font": {"size": 14}})
-        layout[legend] = {"orientation": "h", "x": 0, "xanchor": "left", "y": domain[1],
-                          "yanchor": "bottom", "bgcolor": "rgba(0,0,0,0)"}
+        layout[legend] = {"orientation": "v", "x": 1.01, "xanchor": "left", "y": domain[1],
+                          "yanchor": "top", "bgcolor": "rgba(0,0,0,0)"}
         if k == 1:
             ax["range"] = [-0.02, 1.02]
         if k == 2:

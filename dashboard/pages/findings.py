@@ -16,7 +16,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from probes.schema import Severity
+from probes.schema import Severity, display_path
 
 from .. import ids
 from ..components import finding_card, message, severity_of, severity_pill, toggled
@@ -43,8 +43,10 @@ def layout(config: AppConfig) -> html.Div:
 def open_attrs(f: Mapping[str, Any]) -> dict[str, Any]:
     """A card's click opens its module (on the rank shown)."""
     mid = f.get("module_id")
-    return {"title": "click to show this module", "className": "clickable",
-            **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1)}
+    path = display_path(f["path"])
+    return {"title": f"show module {path}", "className": "clickable",
+            **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1,
+                              label=f"{f['code']} at {path}: show this module")}
 
 
 def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False,

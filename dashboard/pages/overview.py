@@ -43,8 +43,10 @@ def _when(ts: float | None) -> str | None:
     return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
 
 
-def overview_cards(ov: Mapping[str, Any]) -> list[html.Div]:
-    """The cards of the rank shown; the root causes are the run's (merged over its ranks)."""
+def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[html.Div]:
+    """The cards of the rank shown; the root causes are the run's (merged over its ranks). ``status``:
+    the header's words for the writer (``Tick.status``: "running when copied" in a snapshot, "stalled:
+    …"); without it, the store's own status."""
     roots = ov.get("root_causes") or ov["findings"]
     total = ov.get("findings_total", sum(ov["findings"].values()))
     mods = ov["modules"]
@@ -53,7 +55,7 @@ def overview_cards(ov: Mapping[str, Any]) -> list[html.Div]:
     unreg = mods[ModuleKind.UNREGISTERED] + mods[ModuleKind.RUNTIME]
     dropped = ov["samples_dropped"]
     return [
-        card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {ov.get('status') or 'unknown'}"
+        card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {status or ov.get('status') or 'unknown'}"
              + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else "")
              + (f" · run {ov['run_id']}" if ov.get("run_id") else ""), "wide"),
         card("Step", figures.fmt_num(ov.get("step")), plural(ov["steps_recorded"], "step") + " recorded"
@@ -99,12 +101,14 @@ def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[
     out: list[Any] = []
     for f in items[:TOP_FINDINGS]:
         n = len(f.get("consequences") or [])
+        path = display_path(f["path"])
         out.append(html.Div([
             severity_pill(f["severity"], f["code"]),
-            html.Div(display_path(f["path"]), className="mono path"),
+            html.Div(path, className="mono path", title=path),
             html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None,
-        ], **ids.click_attrs(ids.ClickAction.OPEN, f.get("module_id")),
-            className=f"top-finding clickable sev-border-{f['severity']}", title="show this module"))
+        ], **ids.click_attrs(ids.ClickAction.OPEN, f.get("module_id"),
+                             label=f"{f['code']} at {path}: show this module"),
+            className=f"top-finding clickable sev-border-{f['severity']}", title=f"show module {path}"))
     total = len(items) if total is None else total
     if total > TOP_FINDINGS:
         out.append(dcc.Link(f"all {total:,} root causes →", href="/findings", className="more"))
@@ -158,7 +162,7 @@ def register(app: Dash, config: AppConfig) -> None:
         store = run.at(rank)
         errs = store.probe_errors(rank) if ov["probe_errors"] else []
         rows = run.rank_rows() if ov["rank_count"] > 1 else []
-        return overview_cards(ov), top_findings(roots), probe_errors_block(errs), rank_table(rows)
+        return overview_cards(ov, tick.status), top_findings(roots), probe_errors_block(errs), rank_table(rows)
 
     @callback(app, Output(ids.OV_LOSS, "figure"), Output(ids.OV_LOSS_STATE, "data"),
                   Input(ids.TICK, "data"), State(ids.OV_LOSS_STATE, "data"))
