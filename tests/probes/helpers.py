@@ -1,3 +1,5 @@
+import sqlite3
+
 import torch.nn.functional as F
 
 
@@ -26,3 +28,12 @@ def by_code(findings):
 
 def codes(findings, severity=None):
     return {(f.code, f.path) for f in findings if severity is None or f.severity == severity}
+
+
+def stored(w, sql):
+    """Rows of ``sql`` on the store of watcher ``w``."""
+    con = sqlite3.connect(w.store_path)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

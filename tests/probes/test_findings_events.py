@@ -2,14 +2,13 @@
 
 The event findings are checked with every step sampled and with every=5, the event falling on an
 unsampled step."""
-import sqlite3
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import zoo
-from helpers import train
+from helpers import stored, train
 
 import probes
 
@@ -22,14 +21,6 @@ def batches(n=32, din=8, classes=2, seed=0):
 
 def by_code(w, code):
     return [f for f in w.findings() if f.code == code]
-
-
-def stored(w, sql):
-    con = sqlite3.connect(w.store_path)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 # ------------------------------------------------------------------------- 1. events last until the fix

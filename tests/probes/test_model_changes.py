@@ -5,13 +5,12 @@ module's parameters) reported.
 
 Each case runs with every step sampled and with every=5, and on the accelerator's path too (the sample read at a
 later step boundary, so more steps run on the old index)."""
-import sqlite3
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import codes
+from helpers import codes, stored
 
 import probes
 from probes import measure
@@ -30,14 +29,6 @@ class Heads(nn.Module):
         h = self.drop(h) if hasattr(self, "drop") else h
         out = sum(head(h) for head in self.heads)
         return out + self.aux(h) if hasattr(self, "aux") else out
-
-
-def stored(w, sql):
-    con = sqlite3.connect(w.store_path)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def steps(model, opt, w, n, seed=0):
