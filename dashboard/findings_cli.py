@@ -33,7 +33,8 @@ class FindingsError(Exception):
 
 def open_runs(*, run: str | os.PathLike[str] | None = None,
               snapshot: str | os.PathLike[str] | None = None) -> list[Run]:
-    """The runs to read: every run of a run directory (or the one store file named), or a snapshot.
+    """The runs to read: every run of a run directory (or the one store file named), or a snapshot (a
+    directory: its runs, read-only, as ``serve`` and ``export`` take it).
     Raises FindingsError naming the path when there is nothing readable."""
     if (run is None) == (snapshot is None):
         raise FindingsError("expected exactly one of --run DIR or --snapshot FILE")
@@ -41,8 +42,6 @@ def open_runs(*, run: str | os.PathLike[str] | None = None,
     path = Path(str(target))
     if not path.exists():
         raise FindingsError(f"{flag} {path}: no such file or directory")
-    if snapshot is not None and path.is_dir():
-        raise FindingsError(f"--snapshot {path}: is a directory; expected a snapshot file (use --run DIR)")
     try:
         source = RunDir.open(path, live=snapshot is None)
         runs = [source.run(info.key, strict=True) for info in source.runs()]
