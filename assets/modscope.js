@@ -57,6 +57,15 @@ document.addEventListener("toggle", function (e) {
 
 // 4. The module tree. The server sends plain row data (dashboard/pages/modules.py tree_row);
 //    this draws it. Every string goes through textContent / setAttribute, never innerHTML.
+//    It is an ARIA tree (WAI-ARIA Authoring Practices, "Tree View"): the box is role="tree", each row a
+//    role="treeitem" (aria-level, aria-expanded when it has children, aria-selected). One row is in the
+//    tab order (roving tabindex: the row last focused, else the selected one, else the first); the
+//    toggle and the name inside a row stay focusable (click, script) but out of the Tab order.
+//    Keys on a row: ArrowDown / ArrowUp the next / previous row; ArrowRight expands a collapsed node,
+//    or goes to its first child; ArrowLeft collapses an expanded node, or goes to its parent; Home /
+//    End the first / last row; Enter / Space select the row (a click on its name). Expanding and
+//    collapsing click the row's toggle (the same "ui-click" as the mouse), and the redraw puts the
+//    focus back on the same row (refocus).
 (function () {
   function span(cls, text, attrs) {
     var el = document.createElement("span");
@@ -71,16 +80,21 @@ document.addEventListener("toggle", function (e) {
     div.setAttribute("data-path", r.path);
     div.setAttribute("data-kind", r.kind);
     div.setAttribute("data-mid", String(r.id));
+    div.setAttribute("role", "treeitem");
+    div.setAttribute("aria-level", String(Number(r.level) || 1));
+    div.setAttribute("aria-selected", r.selected ? "true" : "false");
+    div.setAttribute("tabindex", "-1");
+    if (r.toggle) { div.setAttribute("aria-expanded", r.toggle === "▾" ? "true" : "false"); }
     div.style.paddingLeft = r.indent + "rem";
     if (r.toggle) {
       div.appendChild(span("tree-toggle", r.toggle, {"data-action": "toggle", "data-mid": String(r.id),
-        "title": r.toggle === "▾" ? "collapse" : "expand", "role": "button", "tabindex": "0",
+        "title": r.toggle === "▾" ? "collapse" : "expand", "role": "button", "tabindex": "-1",
         "aria-expanded": r.toggle === "▾" ? "true" : "false"}));
     } else {
       div.appendChild(span("tree-toggle-space"));
     }
     div.appendChild(span("tree-label mono", r.label, {"data-action": "select", "data-mid": String(r.id),
-      "title": r.path || "<root>", "role": "button", "tabindex": "0"}));
+      "title": r.path || "<root>", "role": "button", "tabindex": "-1"}));
     if (r.type) { div.appendChild(span("tree-type", r.type)); }
     if (r.kind !== "registered") { div.appendChild(span("badge kind-" + r.kind, r.kind, {"title": r.kind_title})); }
     (r.badges || []).forEach(function (b) {
@@ -95,13 +109,30 @@ document.addEventListener("toggle", function (e) {
     var mid = selected && selected.module_id !== undefined && selected.module_id !== null
       ? String(selected.module_id) : null;
     box.querySelectorAll(".tree-row").forEach(function (el) {
-      el.classList.toggle("selected", mid !== null && el.getAttribute("data-mid") === mid);
+      var on = mid !== null && el.getAttribute("data-mid") === mid;
+      el.classList.toggle("selected", on);
+      el.setAttribute("aria-selected", on ? "true" : "false");
     });
+    roving(box);
+  }
+  // the one row with tabindex 0: the row focused last (box._modscopeFocus, while it is drawn),
+  // else the selected row, else the first
+  function roving(box) {
+    var rows = box.querySelectorAll(".tree-row");
+    var pick = null;
+    for (var i = 0; i < rows.length && !pick; i++) {
+      if (box._modscopeFocus !== undefined && rows[i].getAttribute("data-mid") === box._modscopeFocus) {
+        pick = rows[i];
+      }
+    }
+    if (!pick) { pick = box.querySelector(".tree-row.selected") || rows[0] || null; }
+    rows.forEach(function (el) { el.setAttribute("tabindex", el === pick ? "0" : "-1"); });
   }
   function refocus(box, keep) {
     var target = null;
     box.querySelectorAll(".tree-row").forEach(function (el) {
       if (target || el.getAttribute("data-mid") !== keep.mid) { return; }
+      if (keep.row) { target = el; return; }
       var els = el.querySelectorAll("[data-action]");
       for (var i = 0; i < els.length && !target; i++) {
         if (els[i].getAttribute("data-action") === keep.action) { target = els[i]; }
@@ -110,6 +141,59 @@ document.addEventListener("toggle", function (e) {
     });
     if (target) { target.focus({preventScroll: true}); }
   }
+  // keyboard and focus on the tree's rows (delegated: the rows are redrawn)
+  function treeBox(t) {
+    var box = t && t.closest ? t.closest("#tree") : null;
+    return box && t.closest(".tree-row") ? box : null;
+  }
+  document.addEventListener("focusin", function (e) {
+    var box = treeBox(e.target);
+    if (!box) { return; }
+    box._modscopeFocus = e.target.closest(".tree-row").getAttribute("data-mid");
+    roving(box);
+  });
+  document.addEventListener("keydown", function (e) {
+    var box = treeBox(e.target);
+    if (!box || e.altKey || e.ctrlKey || e.metaKey) { return; }
+    var cur = e.target.closest(".tree-row");
+    var rows = Array.prototype.slice.call(box.querySelectorAll(".tree-row"));
+    var i = rows.indexOf(cur);
+    var level = function (el) { return Number(el.getAttribute("aria-level")) || 1; };
+    var toggle = cur.querySelector(".tree-toggle[data-action='toggle']");
+    var expanded = cur.getAttribute("aria-expanded");
+    var to = null;
+    switch (e.key) {
+      case "ArrowDown": to = rows[i + 1] || null; break;
+      case "ArrowUp": to = i > 0 ? rows[i - 1] : null; break;
+      case "Home": to = rows[0] || null; break;
+      case "End": to = rows[rows.length - 1] || null; break;
+      case "ArrowRight":
+        if (expanded === "false" && toggle) { toggle.click(); }
+        else if (expanded === "true" && rows[i + 1] && level(rows[i + 1]) > level(cur)) { to = rows[i + 1]; }
+        break;
+      case "ArrowLeft":
+        if (expanded === "true" && toggle) { toggle.click(); }
+        else {
+          for (var j = i - 1; j >= 0 && !to; j--) { if (level(rows[j]) < level(cur)) { to = rows[j]; } }
+        }
+        break;
+      case "Enter":
+      case " ":
+        // on the row itself: select it, as a click on its name (on its toggle or name: the handler above)
+        if (e.target !== cur) { return; }
+        var label = cur.querySelector(".tree-label[data-action]");
+        if (label) { label.click(); }
+        break;
+      default:
+        return;
+    }
+    e.preventDefault();
+    if (to) {
+      to.focus();     // the row (not the toggle or name inside it): the keys go on from there
+    } else if ((e.key === "ArrowRight" || e.key === "ArrowLeft") && e.target !== cur) {
+      cur.focus();    // expanded or collapsed from its toggle or name: go on from the row
+    }
+  });
   window.dash_clientside = window.dash_clientside || {};
   window.dash_clientside.modscope = Object.assign({}, window.dash_clientside.modscope, {
     renderTree: function (data, selected) {
@@ -120,10 +204,13 @@ document.addEventListener("toggle", function (e) {
       // toggle is gone), else the keyboard user is thrown back to <body> (and the next Tab to the root)
       var act = document.activeElement;
       var focused = act && box.contains(act) && act.closest ? act.closest(".tree-row") : null;
-      var keep = focused ? {mid: focused.getAttribute("data-mid"), action: act.getAttribute("data-action")} : null;
+      var keep = focused ? {mid: focused.getAttribute("data-mid"), action: act.getAttribute("data-action"),
+                            row: act === focused} : null;
       var frag = document.createDocumentFragment();
       (data.rows || []).forEach(function (r) { frag.appendChild(row(r)); });
       if (data.message) { frag.appendChild(span("message muted", data.message)); }
+      box.setAttribute("role", "tree");
+      box.setAttribute("aria-label", "Module tree");
       box.replaceChildren(frag);
       highlight(box, selected);
       if (keep) { refocus(box, keep); }

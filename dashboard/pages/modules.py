@@ -108,6 +108,7 @@ def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: 
         "type": m["type"] if (m["path"] or show_path) else "",
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
+        "level": 1 if show_path else m["depth"] + 1,          # aria-level (a flat search result: 1)
         "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
         "kind_title": KIND_TITLES.get(m["kind"], ""),
         "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],

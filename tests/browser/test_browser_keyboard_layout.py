@@ -129,6 +129,101 @@ def test_tree_toggle_keeps_focus_after_the_redraw(page, server_factory, demo_sto
              "focus still on encoder's toggle")
 
 
+def focused_row(driver) -> str | None:
+    """data-path of the focused element when it is a tree row itself (not its toggle or name)."""
+    return driver.execute_script("const a = document.activeElement;"
+                                 "return a && a.matches('#tree .tree-row') ? a.getAttribute('data-path') : null")
+
+
+def wait_focus_on(driver, path: str, **attrs: str) -> None:
+    """Wait until the row ``path`` has the focus (also after a redraw) and the ``attrs`` (aria-*)."""
+    def ok(d):
+        if focused_row(d) != path:
+            return False
+        el = active(d)
+        return all(el.get_attribute(k.replace("_", "-")) == v for k, v in attrs.items())
+    wait_for(driver, ok, f"focus on the row {path!r} with {attrs}")
+
+
+def test_tree_is_an_aria_tree_driven_by_the_arrow_keys(page, server_factory, demo_store):
+    srv = server_factory(["--snapshot", str(demo_store)])
+    page.get(srv.url + "modules")
+    blocks0 = ".tree-row[data-path='encoder.blocks[0]']"
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, blocks0), "the tree, encoder open")
+    tree = page.find_element(By.ID, "tree")
+    assert tree.get_attribute("role") == "tree" and tree.get_attribute("aria-label")
+    rows = {el.get_attribute("data-path"): el for el in page.find_elements(By.CSS_SELECTOR, "#tree .tree-row")}
+    assert list(rows) == ["", "stem", "encoder", "encoder.blocks[0]", "encoder.blocks[1]", "encoder.blocks[2]",
+                          "head"]
+    assert {el.get_attribute("role") for el in rows.values()} == {"treeitem"}
+    assert [rows[p].get_attribute("aria-level") for p in ("", "stem", "encoder", "encoder.blocks[0]")] == \
+        ["1", "2", "2", "3"]
+    assert [rows[p].get_attribute("aria-expanded") for p in ("", "encoder")] == ["true", "true"]
+    assert rows["stem"].get_attribute("aria-expanded") is None          # a leaf
+    assert {el.get_attribute("aria-selected") for el in rows.values()} == {"false"}
+    # roving tabindex: one row in the Tab order (nothing selected: the first), its toggle and name not
+    assert [p for p, el in rows.items() if el.get_attribute("tabindex") == "0"] == [""]
+    assert not page.find_elements(By.CSS_SELECTOR, "#tree .tree-row [tabindex='0']")
+    tab_until(page, "#tree .tree-row")
+    assert focused_row(page) == ""
+
+    # ArrowDown / ArrowUp: the next / previous visible row
+    press(page, Keys.ARROW_DOWN)
+    wait_focus_on(page, "stem")
+    press(page, Keys.ARROW_DOWN)
+    wait_focus_on(page, "encoder", aria_expanded="true", tabindex="0")
+    # the Tab stop follows the focus: Shift+Tab leaves the tree (not to an earlier row), Tab comes back here
+    ActionChains(page).key_down(Keys.SHIFT).send_keys(Keys.TAB).key_up(Keys.SHIFT).perform()
+    assert not page.execute_script("return document.getElementById('tree').contains(document.activeElement)")
+    press(page, Keys.TAB)
+    wait_focus_on(page, "encoder")
+    # ArrowLeft on an expanded node collapses it (the server redraws the tree): the focus stays on the row
+    press(page, Keys.ARROW_LEFT)
+    wait_for(page, lambda d: not d.find_elements(By.CSS_SELECTOR, blocks0), "encoder collapsed")
+    wait_focus_on(page, "encoder", aria_expanded="false", tabindex="0")
+    press(page, Keys.ARROW_DOWN)         # collapsed: the next row is head
+    wait_focus_on(page, "head")
+    press(page, Keys.ARROW_UP)
+    wait_focus_on(page, "encoder")
+    # ArrowRight on a collapsed node expands it, on an expanded one goes to its first child
+    press(page, Keys.ARROW_RIGHT)
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, blocks0), "encoder expanded again")
+    wait_focus_on(page, "encoder", aria_expanded="true")
+    press(page, Keys.ARROW_RIGHT)
+    wait_focus_on(page, "encoder.blocks[0]", aria_level="3")
+    press(page, Keys.ARROW_RIGHT)        # a leaf: nothing
+    wait_focus_on(page, "encoder.blocks[0]")
+    # ArrowLeft on a child (not expanded) goes to its parent
+    press(page, Keys.ARROW_DOWN)
+    wait_focus_on(page, "encoder.blocks[1]")
+    press(page, Keys.ARROW_LEFT)
+    wait_focus_on(page, "encoder", aria_expanded="true")
+    # Home / End: the first / last row
+    press(page, Keys.END)
+    wait_focus_on(page, "head")
+    press(page, Keys.HOME)
+    wait_focus_on(page, "")
+    press(page, Keys.ARROW_UP)           # nothing above the first
+    wait_focus_on(page, "")
+    assert page.find_elements(By.CSS_SELECTOR, blocks0)     # no key above changed the expansion by itself
+
+    # Enter selects the focused row, as a click does; Space too
+    press(page, Keys.END)
+    wait_focus_on(page, "head")
+    press(page, Keys.ENTER)
+    wait_text(page, "head", "#detail-header h2")
+    wait_focus_on(page, "head", aria_selected="true", tabindex="0")
+    assert page.find_elements(By.CSS_SELECTOR, ".tree-row.selected[data-path='head']")
+    press(page, Keys.ARROW_UP)
+    wait_focus_on(page, "encoder.blocks[2]")
+    press(page, " ")
+    wait_text(page, "encoder.blocks[2]", "#detail-header h2")
+    wait_focus_on(page, "encoder.blocks[2]", aria_selected="true", tabindex="0")
+    sel = [el.get_attribute("data-path") for el in page.find_elements(By.CSS_SELECTOR, "#tree [aria-selected='true']")]
+    assert sel == ["encoder.blocks[2]"]
+    assert len(page.find_elements(By.CSS_SELECTOR, "#tree [tabindex='0']")) == 1
+
+
 # -- 3. the detail chart's titles and legends --------------------------------------------------------------------
 OVERLAPS_JS = """
 const box = document.getElementById('detail-activation');
