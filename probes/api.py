@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,13 @@ from torch import nn
 from .findings import Finding, sort_findings
 from .rundir import agree_run_id
 from .structural import structural_findings
-from .structure import build_structure, normalize_optimizers
+from .structure import build_structure, normalize_optimizers, unwrap
 from .watcher import Boundaries, Watcher
+
+# the open watcher of each model (the user's module, inside any wrapper), weakly: a model is watched by one
+# watcher at a time. Re-running a notebook cell that calls watch() must not leave the first watcher's hooks on
+# the model, doubling the cost and writing two runs of one training.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watcher]] = weakref.WeakKeyDictionary()
 
 
 def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
@@ -62,9 +69,31 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise ValueError(f"run_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
-    return Watcher(model, optimizers, run_dir, run_id=run_id, every=every, overhead=None if every else float(overhead),
-                   window=window, rank=rank, world_size=world_size, run_name=run_name or run_dir.name,
-                   boundaries=Boundaries(boundaries))
+    close_previous_watcher(model)
+    watcher = Watcher(model, optimizers, run_dir, run_id=run_id, every=every,
+                      overhead=None if every else float(overhead), window=window, rank=rank, world_size=world_size,
+                      run_name=run_name or run_dir.name, boundaries=Boundaries(boundaries))
+    _WATCHED[unwrap(model)] = weakref.ref(watcher)
+    return watcher
+
+
+def watcher_of(model: nn.Module) -> Watcher | None:
+    """The open watcher of ``model`` (or of the module it wraps), if any."""
+    ref = _WATCHED.get(unwrap(model))
+    watcher = ref() if ref is not None else None
+    return None if watcher is None or watcher.closed else watcher
+
+
+def close_previous_watcher(model: nn.Module) -> None:
+    """Close the open watcher of ``model`` (or of the module it wraps), with a warning that names its run."""
+    previous = watcher_of(model)
+    _WATCHED.pop(unwrap(model), None)
+    if previous is None:
+        return
+    warnings.warn(f"modscope: {type(unwrap(model)).__name__} was already watched by run {previous.run_id!r} "
+                  f"({previous.store_path}); that watcher is now closed, since a model is watched by one watcher "
+                  "at a time (close a watcher with w.close() or `with probes.watch(...)`)", stacklevel=3)
+    previous.close()
 
 
 def process_rank() -> tuple[int, int]:

@@ -53,7 +53,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .api import process_rank, watch
+from .api import process_rank, watch, watcher_of
 from .capture import hide_global_hook_warning, restore_warning_filters
 from .structure import unwrap
 from .watcher import Watcher
@@ -242,6 +242,10 @@ class AutoWatch:
         if model in self._watched:
             self._note(f"modscope: {type(opt).__name__} steps parameters of {type(model).__name__}, which is "
                        "already watched with another optimizer: its parameters show as not in the optimizer")
+            return
+        if watcher_of(model) is not None:
+            self._note(f"modscope: {type(unwrap(model)).__name__} is already watched by the script's own "
+                       "probes.watch(): left to it")
             return
         held = {id(p) for p in model.parameters()}
         group = [opt]

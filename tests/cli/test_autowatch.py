@@ -121,6 +121,20 @@ def test_a_failure_in_discovery_is_one_line_and_training_goes_on(aw, monkeypatch
     assert aw.test_out.getvalue().splitlines() == ["modscope: not watching: RuntimeError: disk on fire"]
 
 
+def test_a_model_the_script_watches_itself_is_left_to_it(aw, tmp_path):
+    import probes
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with probes.watch(model, opt, run_dir=tmp_path / "own", every=1) as own:
+        for _ in range(4):
+            step(lambda: model(x), [opt], y)
+        assert not own.closed and own.step_count == 4
+    assert not aw.watchers
+    assert "modscope: Net is already watched by the script's own probes.watch(): left to it" in \
+        aw.test_out.getvalue()
+
+
 def test_tensors_no_module_holds_are_noted_once(aw):
     w = torch.zeros(3, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1)
