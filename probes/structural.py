@@ -7,9 +7,29 @@ from .findings import Finding
 from .schema import ModuleKind, TensorKind
 from .structure import (
     ModelStructure,
+    ModuleNode,
     is_mode_sensitive,
     subtree_has_state_or_modes,
 )
+
+# an averaged copy of a model (EMA, SWA): its parameters follow the trained ones through update_parameters(),
+# never through an optimizer, and torch's AveragedModel copies them with requires_grad=True. By class name, so
+# that timm's need no import of timm.
+AVERAGED_COPY_TYPES = frozenset({"AveragedModel", "ModelEma", "ModelEmaV2", "ModelEmaV3"})
+
+
+def averaged_copy_ids(s: ModelStructure) -> set[int]:
+    """Ids of the modules inside an averaged copy (the copy's own module included)."""
+    by_id = {n.module_id: n for n in s.modules}
+    inside: set[int] = set()
+    for node in s.modules:
+        cur: ModuleNode | None = node
+        while cur is not None:
+            if cur.type in AVERAGED_COPY_TYPES:
+                inside.add(node.module_id)
+                break
+            cur = by_id.get(cur.parent_id) if cur.parent_id is not None else None
+    return inside
 
 
 def structural_findings(s: ModelStructure, step: int | None = None) -> list[Finding]:
@@ -19,6 +39,7 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
     # by id, not position: a watcher's index gives modules run-stable ids, which stop matching positions in the
     # list once a module is added or removed mid-run
     modules = {n.module_id: n for n in s.modules}
+    averaged = averaged_copy_ids(s)
     for node in s.modules:
         if not node.top_level_unregistered or node.module is None:
             continue
@@ -37,7 +58,7 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
         if t.kind == TensorKind.PARAMETER:
             if not t.requires_grad:
                 out.append(findings.frozen_parameter(t.path, t.shape, t.in_optimizer, step))
-            elif s.n_optimizers and not t.in_optimizer:
+            elif s.n_optimizers and not t.in_optimizer and t.module_id not in averaged:
                 out.append(findings.not_in_optimizer(t.path, t.shape, t.numel, step))
             if t.aliases:
                 out.append(findings.shared_parameter(t.path, t.aliases, t.shape, step))
