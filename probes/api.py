@@ -8,6 +8,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .findings import Finding, sort_findings
@@ -43,6 +44,9 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
+    if isinstance(unwrap(model), torch.jit.ScriptModule):
+        raise TypeError(f"model is a TorchScript module ({type(model).__qualname__}): PyTorch runs no hooks on it; "
+                        "watch the nn.Module before torch.jit.script (a scripted submodule is fine)")
     optimizers = normalize_optimizers(optimizer)
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every must be a positive int or None, got {every!r}")

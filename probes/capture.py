@@ -327,7 +327,9 @@ class StepCapture:
             rec.stances.append(torch.compiler.set_stance("force_eager"))    # undone at detach()
         trigger = self._eager(self.on_trigger)
         if self._top_level is None or self._top_level[0] is not index:
-            self._top_level = (index, index.top_level_modules())
+            # a TorchScript module refuses per-module hooks; the global hooks still see its calls
+            self._top_level = (index, [m for m in index.top_level_modules()
+                                       if not isinstance(m, torch.jit.ScriptModule)])
         for module in self._top_level[1]:
             rec.handles.append(module.register_forward_pre_hook(trigger))
 

@@ -12,6 +12,8 @@ import itertools
 import operator
 from collections.abc import Sequence
 
+import torch
+
 from . import decode, records
 from .capture import StepRecord
 from .causes import assign_causes
@@ -123,7 +125,8 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
         owners = owners_of[i]
         if owners is _NOBODY:
             continue
-        if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners):
+        if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners) \
+                and not any(_inside_script(index, m) for m in owners):
             if parents_of_called is None:          # made once, in the rare step that has a candidate
                 parents_of_called = {node.parent_id for m in calls if (node := index.modules.get(m)) is not None
                                      and node.parent_id is not None}
@@ -149,6 +152,17 @@ def gradless_candidates(rec: StepRecord, index: ModelIndex) -> list[GradlessCand
         if ran:
             out.append(GradlessCandidate(tid, ran))
     return out
+
+
+def _inside_script(index: ModelIndex, module_id: int) -> bool:
+    """Whether a TorchScript module holds ``module_id``: its children run in TorchScript, never through
+    ``__call__``, so no hook sees their calls (only the rare candidate of a step gets here)."""
+    node = index.modules.get(module_id)
+    while node is not None and node.parent_id is not None:
+        node = index.modules.get(node.parent_id)
+        if node is not None and isinstance(node.module, torch.jit.ScriptModule):
+            return True
+    return False
 
 
 def _is_table(node: ModuleNode | None) -> bool:
