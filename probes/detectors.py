@@ -5,10 +5,15 @@ Definitions (also in README):
   when any of its values is non-zero. The *window* is the last ``window`` sampled steps (default 16).
   A unit is dead when it was not active in any call of the window.
 - dead-layer: >= 90% dead units, or the output is constant (std == 0) in every sample of the window;
-  dead-units: 25% to 90%. Both need at least ``MIN_SAMPLES`` samples of the module.
+  dead-units: 25% to 90%. Both need at least ``MIN_SAMPLES`` calls of the module within the window, and either
+  a call in every sampled step of the window, or, for a module called in some of them only (a mixture-of-experts
+  expert the router did not pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few
+  inputs routed to a sometimes-skipped module do not show that a unit never activates.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
-  MIN_SAMPLES samples.
+  MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). An output layer (no
+  trained layer ran after it in the forward: a multi-label classifier's final Sigmoid) saturates because the
+  model is confident, which stalls nothing with a log-likelihood loss: an info.
 - not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
   (more than a numerically zero one) and its value did not change.
 - grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -35,6 +40,9 @@ DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
 SATURATED = 0.5
 MIN_SAMPLES = 3
+# values per unit a module called in only some sampled steps of the window must have produced over it before its
+# units are called dead (a healthy ReLU unit active on 10% of inputs stays zero over 10 of them a third of the time)
+SPARSE_ROWS = 64
 NOT_UPDATING_STEPS = 2
 ACCUMULATING_STEPS = 2
 # a gradient below this fraction of the tensor's norm is numerically zero (a bias before BatchNorm): no
@@ -65,8 +73,22 @@ class GradlessCandidate:
     module_ids: tuple[int, ...]        # those of its modules that ran so
 
 
+class _Node(Protocol):
+    @property
+    def parent_id(self) -> int | None: ...
+
+
 class ModelView(Protocol):
     """What the detectors read about the model (implemented by :class:`probes.model_index.ModelIndex`)."""
+
+    @property
+    def saturation(self) -> Mapping[int, str | None]: ...      # module id -> 'tanh' | 'sigmoid' | None
+    @property
+    def owners(self) -> Mapping[int, tuple[int, ...]]: ...     # tensor id -> the modules owning it
+    @property
+    def trained_tensors(self) -> frozenset[int]: ...
+    @property
+    def modules(self) -> Mapping[int, _Node]: ...              # module id -> its node (``parent_id``)
 
     def has_module(self, module_id: int) -> bool: ...
     def module_path(self, module_id: int) -> str: ...
@@ -94,11 +116,12 @@ def _rows(ids: list[int], rows: list[int], columns: dict[str, Sequence[float | i
 class _Window:
     """Per-id ring buffers of the last ``size`` observations of some statistics."""
 
-    def __init__(self, size: int, fields: Sequence[str]) -> None:
+    def __init__(self, size: int, fields: Sequence[str], dtype: torch.dtype = torch.float32) -> None:
         self.size = size
         self.fields = tuple(fields)
+        self.dtype = dtype
         self.count = torch.zeros(0, dtype=torch.int64)
-        self.buf = {f: torch.full((size, 0), _NAN, dtype=torch.float32) for f in fields}
+        self.buf = {f: torch.full((size, 0), _NAN, dtype=dtype) for f in fields}
 
     def _grow(self, n: int) -> None:
         have = self.count.numel()
@@ -107,7 +130,7 @@ class _Window:
         n = max(n, 2 * have, 64)
         self.count = torch.cat([self.count, torch.zeros(n - have, dtype=torch.int64)])
         for f in self.fields:
-            self.buf[f] = torch.cat([self.buf[f], torch.full((self.size, n - have), _NAN, dtype=torch.float32)], 1)
+            self.buf[f] = torch.cat([self.buf[f], torch.full((self.size, n - have), _NAN, dtype=self.dtype)], 1)
 
     def observe(self, ids: list[int], columns: dict[str, torch.Tensor]) -> None:
         if not ids:
@@ -134,6 +157,10 @@ class DynamicDetectors:
     def __init__(self, window: int = 16) -> None:
         self.window = window
         self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero"))
+        # per module call: the sampled step it was in (counted here) and its output's size, exactly
+        self.calls = _Window(window, ("at", "numel"), torch.float64)
+        self.samples = 0                    # sampled steps observed
+        self._order: dict[int, int] = {}   # module id -> execution order of its first call, latest sampled step
         self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr"))
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
@@ -143,6 +170,11 @@ class DynamicDetectors:
             "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
             "nonfinite": stats["nonfinite"], "numel": torch.tensor(m.numel, dtype=torch.float32),
             "zero": stats["zero_frac"]})
+        n = len(m.module_ids)
+        self.calls.observe(m.module_ids, {"at": torch.full((n,), float(self.samples), dtype=torch.float64),
+                                          "numel": torch.tensor(m.numel, dtype=torch.float64)})
+        self.samples += 1
+        self._order = dict(zip(m.module_ids, m.order, strict=False))
         upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
         if upd:
             self.updates.observe(*_rows(t.tensor_ids, upd, {
@@ -177,22 +209,69 @@ class DynamicDetectors:
         saturated = eligible & ~torch.isnan(sats).any(0) & (sat_mean > SATURATED)
         out: list[Finding] = []
         flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
+        trained: frozenset[int] | None = None       # the modules owning trained tensors, made when needed
         for mid in flagged:
             if not view.has_module(mid):
                 continue
             path, typ, n = view.module_path(mid), view.module_type(mid), int(samples[mid])
+            dead_judged = self._enough_for_dead(mid)
+            if dead_judged is not None:
+                n = dead_judged
             last_std = _opt(w.last("std")[mid])
             ev = {"dead_fraction": _opt(dead[mid]), "window_samples": n, "zero_fraction": _opt(w.last("zero")[mid]),
                   "std": last_std, "type": typ}
-            if constant[mid]:
+            if dead_judged is None:
+                pass
+            elif constant[mid]:
                 out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step))
             elif dead_layer[mid]:
                 out.append(findings.dead_layer(path, typ, float(dead[mid]), n, ev, step))
             elif dead_units[mid]:
                 out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step))
-            if saturated[mid]:
-                out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step))
+            # the activation itself: the wrappers returning its very output share its statistics
+            if saturated[mid] and view.saturation.get(mid):
+                if trained is None:
+                    trained = frozenset(m for t in view.trained_tensors for m in view.owners.get(t, ()))
+                output_layer = self._is_output_layer(mid, view, trained)
+                out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step,
+                                              output_layer=output_layer))
         return out
+
+    def _enough_for_dead(self, mid: int) -> int | None:
+        """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when
+        they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or a module
+        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit."""
+        c = self.calls
+        if mid >= c.count.numel():
+            return None
+        at, numel = c.buf["at"][:, mid], c.buf["numel"][:, mid]
+        inside = at > self.samples - 1 - self.window         # False for a slot never written (NaN)
+        n = int(inside.sum())
+        if n < MIN_SAMPLES:
+            return None
+        if n >= min(self.window, self.samples):
+            return n                       # called in every sampled step of the window
+        sizes = [int(v) for v in numel[inside].tolist() if v > 0]
+        if not sizes:
+            return None
+        # every output holds (units x rows) values, so the sizes' gcd is a multiple of the units: the window held at
+        # least sum / gcd values per unit (exactly that when the routed batches differ in size)
+        rows = sum(sizes) // math.gcd(*sizes)
+        return n if rows >= SPARSE_ROWS else None
+
+    def _is_output_layer(self, mid: int, view: ModelView, trained: frozenset[int]) -> bool:
+        """No module owning trained tensors (``trained``) ended its first call after the first call of ``mid`` in the
+        latest sampled step, but the modules around it (a call ends after its children's): no trained layer runs
+        on its output, which is the model's. A generator's final Tanh, which the discriminator runs on, is hidden."""
+        order = self._order.get(mid)
+        if order is None:
+            return False
+        ancestors = set()
+        node = view.modules.get(mid)
+        while node is not None and node.parent_id is not None and node.parent_id not in ancestors:
+            ancestors.add(node.parent_id)
+            node = view.modules.get(node.parent_id)
+        return not any(self._order.get(m, -1) > order for m in trained if m not in ancestors)
 
     def _not_updating(self, step: int, view: ModelView) -> list[Finding]:
         w = self.updates

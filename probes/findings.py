@@ -187,11 +187,23 @@ def dead_units(path: str, type_name: str, dead: float, samples: int, evidence: d
                 f"{samples} sampled steps: capacity is wasted.", evidence=evidence, step=step)
 
 
-def saturated(path: str, type_name: str, fraction: float, samples: int, step: int) -> Finding:
+def saturated(path: str, type_name: str, fraction: float, samples: int, step: int,
+              output_layer: bool = False) -> Finding:
+    """``output_layer``: no trained layer ran after it (a multi-label classifier's final Sigmoid): a confident model,
+    an info."""
+    evidence = {"saturated_fraction": fraction, "samples": samples, "type": type_name, "output_layer": output_layer}
+    if output_layer:
+        return make(FindingCode.SATURATED, path,
+                    f"{fraction:.0%} of the outputs of {display_path(path)} ({type_name}), the model's output layer "
+                    "(no trained layer runs after it), sit in the saturated tails: the model is confident. That "
+                    "stalls nothing under a log-likelihood loss (binary_cross_entropy: its gradient, p - y, "
+                    "vanishes only where the prediction is right); under mse_loss the gradient vanishes where it is "
+                    "wrong too, and BCEWithLogitsLoss on the logits is the fix.",
+                    evidence=evidence, severity=Severity.INFO, step=step)
     return make(FindingCode.SATURATED, path,
                 f"{fraction:.0%} of the outputs of {display_path(path)} ({type_name}) sit in the saturated "
                 "tails, where the gradient is nearly zero: learning through it stalls.",
-                evidence={"saturated_fraction": fraction, "samples": samples, "type": type_name}, step=step)
+                evidence=evidence, step=step)
 
 
 def non_finite(origin: NonFiniteOrigin, *, last_step: int, count: int, later: Sequence[str]) -> Finding:

@@ -111,6 +111,18 @@ def test_dead_layer_and_dead_units(run_dir):
         assert f[0].evidence["dead_fraction"] >= (0.9 if dead == 16 else 0.25)
 
 
+@pytest.mark.parametrize("dead,expected", [(32, "dead-layer"), (16, "dead-units")])
+def test_dead_units_of_an_expert_the_router_skips_on_some_steps(run_dir, dead, expected):
+    """An expert that runs in every other step, on 40 to 68 tokens: it is judged over those (the varying sizes show
+    that they held enough values per unit), and its dead units are found."""
+    model = zoo.SometimesRoutedExperts(dead_units=dead)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 8, lambda: (torch.randn(96, 8), torch.randint(0, 2, (96,))))
+        f = [(g.code, g.path) for g in w.findings() if g.code in ("dead-layer", "dead-units")]
+    assert f == [(expected, "experts.0.act")]
+
+
 def test_constant_output_is_a_dead_layer(run_dir):
     class Const(nn.Module):
         def forward(self, x):
@@ -138,6 +150,44 @@ def test_saturated_tanh(run_dir):
         sat = [f for f in w.findings() if f.code == "saturated"]
     assert [f.path for f in sat] == ["act"]
     assert sat[0].evidence["saturated_fraction"] > 0.5
+
+
+def test_saturated_hidden_layer_is_reported_at_the_activation_not_its_wrappers(run_dir):
+    """A block returning its Tanh's very output shares its statistics: one warning, at the Tanh. A generator's final
+    Tanh is no output layer: the discriminator runs on it, and G learns through it."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[0][0].weight.mul_(200.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(64, 8), torch.randint(0, 2, (64,))))
+        sat = [f for f in w.findings() if f.code == "saturated"]
+    assert [(f.path, f.severity) for f in sat] == [("0.1", "warning")]
+    assert sat[0].evidence["output_layer"] is False
+
+    class GAN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.G = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+            self.D = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
+    gan = GAN()
+    with torch.no_grad():
+        gan.G[0].weight.mul_(200.0)
+    opt_g, opt_d = torch.optim.SGD(gan.G.parameters(), lr=1e-4), torch.optim.SGD(gan.D.parameters(), lr=1e-4)
+    with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir / "gan", every=1) as w:
+        for _ in range(4):
+            fake = gan.G(torch.randn(32, 4))
+            loss_d = F.softplus(gan.D(fake.detach())).mean() + F.softplus(-gan.D(torch.randn(32, 16))).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = F.softplus(-gan.D(fake)).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+            w.step(loss_g)
+        sat = [(f.path, f.severity) for f in w.findings() if f.code == "saturated"]
+    assert sat == [("G.1", "warning")]
 
 
 def test_training_mode_mismatch_for_unregistered_dropout(run_dir):

@@ -253,3 +253,34 @@ def xor_data(n=512, seed=0):
     X = torch.randn(n, 2, generator=g)
     y = ((X[:, 0] > 0) ^ (X[:, 1] > 0)).long()
     return X, y
+
+
+class RoutedExpert(nn.Module):
+    def __init__(self, d: int = 8, h: int = 32, dead_units: int = 0):
+        super().__init__()
+        self.fc = nn.Linear(d, h)
+        with torch.no_grad():
+            self.fc.bias[:dead_units] = -100.0
+        self.act = nn.ReLU()
+        self.out = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class SometimesRoutedExperts(nn.Module):
+    """Two experts; expert 0 (``dead_units`` of its ReLU units dead) gets a varying share of the tokens every other
+    call and none in between, when it does not run: a mixture-of-experts expert the router skips on some steps."""
+
+    def __init__(self, dead_units: int = 32):
+        super().__init__()
+        self.experts = nn.ModuleList([RoutedExpert(dead_units=dead_units), RoutedExpert()])
+        self.head = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        n = 0 if self.calls % 2 else 40 + 7 * (self.calls % 5)      # tokens routed to expert 0
+        self.calls += 1
+        parts = [self.experts[0](x[:n])] if n else []
+        h = torch.cat([*parts, self.experts[1](x[n:])]) + x
+        return self.head(h)

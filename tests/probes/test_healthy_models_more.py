@@ -1,0 +1,378 @@
+"""More healthy models people really train, and the training patterns around them: a finding at warning or error on
+any of them is a false alarm (see test_healthy_models.py). Real training loops, tiny sizes, CPU: mixture-of-experts
+whose router skips experts, LLaMA, ViT, gradient accumulation, bf16 autocast, gradient clipping, a GAN with two
+optimizers, a frozen backbone with low-rank adapters, warmup from lr=0, dropout, a confident multi-label classifier."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import zoo
+from helpers import stored
+
+import probes
+
+EXPECTED = {"shared-parameter"}          # tied weights: an info, said once
+
+
+def alarms(w):
+    """The findings at warning or error."""
+    return [str(f) for f in w.findings() if f.severity in ("warning", "error")]
+
+
+def anything(w, expected=EXPECTED):
+    return [str(f) for f in w.findings() if f.code not in expected]
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TopKMoE(nn.Module):
+    """A token-choice top-k router; an expert no token was routed to is not run (as Mixtral's loop over the experts
+    hit does)."""
+
+    def __init__(self, d=16, h=32, n=16, k=2):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList(Expert(d, h) for _ in range(n))
+        self.k = k
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return (flat + out).reshape(x.shape)
+
+
+class MoELM(nn.Module):
+    def __init__(self, vocab=50, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.moe1 = TopKMoE(d)
+        self.norm = nn.LayerNorm(d)
+        self.moe2 = TopKMoE(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.moe2(self.norm(self.moe1(self.emb(ids)))))
+
+
+def test_top_k_moe_whose_router_skips_experts(run_dir):
+    """Two tokens a step among 16 experts (k=2): each expert runs in a few steps, on a token or two. Its ReLU units
+    are zero over those few inputs by chance; they were called dead (dead-units, a warning) before: the unit activity
+    covers the last sampled steps, and an expert skipped in most of them was judged on the couple it ran in."""
+    model = MoELM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(30):
+            ids = torch.randint(0, 50, (1, 2))
+            loss = F.cross_entropy(model(ids).reshape(-1, 50), torch.randint(0, 50, (2,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+    calls = dict(stored(w, "SELECT m.path, COUNT(*) FROM module_stats s JOIN modules m USING(rank, module_id) "
+                           "WHERE m.path LIKE 'moe%.experts.%.act' GROUP BY m.path"))
+    assert calls and max(calls.values()) < 30                  # the router did skip experts
+    # and no expert was taken for dead while no unit of any is: every unit fires on some of the 50 tokens
+    with torch.no_grad():
+        h = model.norm(model.moe1(model.emb(torch.arange(50)[None])))[0]
+        assert all(bool((e.act(e.fc1(h)).amax(0) > 0).all()) for e in model.moe2.experts)
+
+
+def _hf_moe(name):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    builds = {
+        "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                    dict(common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                      dict(common, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                           num_experts=8, num_experts_per_tok=2)),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                      dict(common, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                           num_experts_per_tok=2, head_dim=8)),
+        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
+                  dict(common, intermediate_size=16, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
+                       pad_token_id=None)),
+        "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                        dict(common, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64,
+                             moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=8,
+                             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+                             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
+    }
+    model_cls, config_cls, kwargs = builds[name]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_hugging_face_mixture_of_experts(name, run_dir):
+    """Three tokens a step among 8 experts: the router skips most of them in every step."""
+    model = _hf_moe(name)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(12):
+            ids = torch.randint(1, 100, (1, 3))
+            out = model(input_ids=ids, labels=ids)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+def test_switch_transformers_experts_in_a_module_dict(run_dir):
+    """One module per expert, run on the tokens routed to it (capacity 4): unrouted experts do not run."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "SwitchTransformersForConditionalGeneration"):
+        pytest.skip("no SwitchTransformers")
+    model = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=8,
+        expert_capacity=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0,
+        pad_token_id=0))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(12):
+            out = model(input_ids=torch.randint(1, 100, (1, 4)), labels=torch.randint(1, 100, (1, 3)))
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+# ----------------------------------------------------------------------------- LLaMA, ViT
+def test_llama(run_dir):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(8):
+            ids = torch.randint(1, 100, (2, 12))
+            out = model(input_ids=ids, labels=ids)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+def test_vit(run_dir):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(8):
+            out = model(pixel_values=torch.randn(4, 3, 16, 16), labels=torch.randint(0, 5, (4,)))
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+            if step % 4 == 3:
+                model.eval()
+                with torch.no_grad():
+                    model(pixel_values=torch.randn(4, 3, 16, 16))
+                model.train()
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+# ----------------------------------------------------------------------------- training patterns
+def gpt_batch():
+    return torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+
+
+def gpt_loss(out, y):
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+@pytest.mark.parametrize("pattern", ["accumulation", "bf16-autocast", "clipping", "warmup-from-zero"])
+def test_training_patterns_on_a_gpt(pattern, run_dir):
+    """Gradient accumulation (an optimizer step every 4 micro-batches: watch's step is the optimizer's), bf16
+    autocast on the CPU, clipping to a tiny norm, a linear warmup from lr=0 (the first step does not move anything)."""
+    model = zoo.GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5)) if pattern == "warmup-from-zero" \
+        else None
+    micro = 4 if pattern == "accumulation" else 1
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(8):
+            for _ in range(micro):
+                x, y = gpt_batch()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pattern == "bf16-autocast"):
+                    loss = gpt_loss(model(x), y) / micro
+                loss.backward()
+            if pattern == "clipping":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            w.step(loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+def test_bf16_autocast_resnet_with_batchnorm(run_dir):
+    model = zoo.ResNetSmall()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(torch.randn(8, 3, 16, 16)), torch.randint(0, 10, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh())
+        self.D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Sigmoid())
+
+
+def test_gan_with_two_optimizers(run_dir):
+    """D trained on G's output under detach, then G through D: two optimizers, one watch step. D's final Sigmoid is
+    the output layer; G's final Tanh is not (D runs on it)."""
+    gan = GAN()
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    ones, zeros = torch.ones(32, 1), torch.zeros(32, 1)
+    with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
+        for _ in range(15):
+            fake = gan.G(torch.randn(32, 8))
+            loss_d = F.binary_cross_entropy(gan.D(torch.randn(32, 16) * 0.5 + 1), ones) + \
+                F.binary_cross_entropy(gan.D(fake.detach()), zeros)
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = F.binary_cross_entropy(gan.D(fake), ones)
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+            w.step(loss_g)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+class LoRALinear(nn.Module):
+    """A frozen base layer and a trainable low-rank update (B starts at zero, as LoRA's does)."""
+
+    def __init__(self, base, rank=4):
+        super().__init__()
+        self.base = base
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+class Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.l1 = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.l2 = nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.l2(self.act(self.l1(self.emb(ids)))).mean(1)))
+
+
+def test_frozen_backbone_with_low_rank_adapters(run_dir):
+    """Base weights requires_grad=False and in no optimizer: frozen on purpose, an info each, never not-in-optimizer;
+    the adapters train (B from zero: its first gradient moves A not at all)."""
+    model = Backbone()
+    model.requires_grad_(False)
+    model.l1, model.l2 = LoRALinear(model.l1), LoRALinear(model.l2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(8):
+            loss = F.cross_entropy(model(torch.randint(0, 50, (8, 10))), torch.randint(0, 5, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert anything(w, EXPECTED | {"frozen-parameter"}) == []
+        assert {f.path for f in w.findings()} == {"emb.weight", "l1.base.weight", "l1.base.bias", "l2.base.weight",
+                                                  "l2.base.bias", "norm.weight", "norm.bias", "head.weight",
+                                                  "head.bias"}
+        assert {f.severity for f in w.findings()} == {"info"}
+        assert not w.probe_errors, w.probe_errors
+
+
+def test_dropout_heavy_model_validated_in_eval(run_dir):
+    model = nn.Sequential(nn.Dropout(0.2), nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 64),
+                          nn.GELU(), nn.Dropout(0.5), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(12):
+            loss = F.cross_entropy(model(torch.randn(16, 32)), torch.randint(0, 10, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if step % 4 == 3:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(16, 32))
+                model.train()
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
+# ----------------------------------------------------------------------------- a confident output layer
+def test_confident_multi_label_classifier_with_a_sigmoid_output(run_dir):
+    """A multi-label classifier ending in nn.Sigmoid, trained with binary_cross_entropy until it is confident: its
+    output sits in the sigmoid's tails, which stalls nothing (the loss's gradient is p - y). It was a warning, twice
+    (the Sigmoid and the Sequential returning its output); now an info at the Sigmoid alone."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8), nn.Sigmoid())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 32), (torch.randn(64, 8) > 0).float()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(60):
+            loss = F.binary_cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert alarms(w) == []
+        found = [(f.code, f.path, f.severity, f.evidence["output_layer"]) for f in w.findings()]
+        assert found == [("saturated", "3", "info", True)]
+        assert "confident" in w.findings()[0].message
+    assert loss.item() < 0.05                     # it is confident, and right
