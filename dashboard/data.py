@@ -58,6 +58,7 @@ from probes.schema import (
 )
 
 SQLITE_HEADER = b"SQLite format 3\x00"
+REMOVED = "removed"          # what a module (or tensor) no longer part of the model is shown as (modules.removed_step)
 
 # Row limits (each query says how many rows it may return).
 MAX_CHILDREN = 500          # children of one expanded node
@@ -606,7 +607,11 @@ class Store:
     def change_signature(self, rank: int = 0) -> ChangeSignature:
         """Cheap change detector for live polling (index-only queries)."""
         stats_step = self._one("SELECT MAX(step) AS s FROM module_stats WHERE rank = ?", (rank,))
-        mods = self._one("SELECT COUNT(*) AS n FROM modules WHERE rank = ?", (rank,))
+        removed = self._column("modules", "removed_step")
+        # a module that leaves the model changes no count of rows: what left it (and when) is counted too
+        mods = self._one(f"SELECT COUNT(*) AS n, COUNT({removed}) AS r, SUM({removed}) AS rs, "
+                         f"SUM(CASE WHEN {removed} IS NOT NULL THEN module_id + 1 END) AS ri "
+                         "FROM modules WHERE rank = ?", (rank,))
         # not last_step: it moves with every sample; the tree's badges change only with these
         fnd = self._one("SELECT COUNT(*) AS n, SUM(active) AS a, SUM(LENGTH(code) * active) AS c, "
                         "SUM(LENGTH(path) * active) AS p, SUM(LENGTH(severity) * active) AS s "
@@ -616,7 +621,8 @@ class Store:
         return ChangeSignature(
             last_step=self.last_step(rank),
             stats_step=None if stats_step is None or stats_step["s"] is None else int(stats_step["s"]),
-            structure=(_int(mods["n"] if mods else 0), *(_int(v) for v in (tuple(fnd) if fnd else (0,) * 5))),
+            structure=(*(_int(v) for v in (tuple(mods) if mods else (0,) * 4)),
+                       *(_int(v) for v in (tuple(fnd) if fnd else (0,) * 5))),
             status=rk["status"] if rk else None,
             samples_dropped=_int(rk["samples_dropped"] if rk else 0),
             probe_errors=_int(rk["probe_errors"] if rk else 0),
@@ -671,9 +677,10 @@ class Store:
                              "WHERE rank = ? AND active = 1 GROUP BY severity LIMIT 10",
                              (rank,), limit=10):
             sev[r["severity"]] = r["n"]
+        # the model as it is now: modules and tensors that left it are counted apart
         mods = {r["kind"]: r["n"] for r in self._query(
-            "SELECT kind, COUNT(*) AS n FROM modules WHERE rank = ? GROUP BY kind LIMIT 10",
-            (rank,), limit=10)}
+            f"SELECT CASE WHEN {self._current('modules')} THEN kind ELSE '{REMOVED}' END AS kind, COUNT(*) AS n "
+            "FROM modules WHERE rank = ? GROUP BY 1 LIMIT 10", (rank,), limit=10)}
         params = self._one(
             f"SELECT COALESCE(SUM(CASE WHEN kind = '{TensorKind.PARAMETER}' THEN numel END), 0) AS total, "
             f"COALESCE(SUM(CASE WHEN kind = '{TensorKind.PARAMETER}' AND requires_grad = 1 THEN numel END), 0) "
@@ -681,7 +688,7 @@ class Store:
             "COALESCE(SUM(CASE WHEN in_optimizer = 1 THEN numel END), 0) AS in_optimizer, "
             f"COALESCE(SUM(CASE WHEN kind = '{TensorKind.TENSOR}' THEN numel END), 0) AS unregistered, "
             "COALESCE(SUM(in_state_dict), 0) AS state_dict_tensors "
-            "FROM params WHERE rank = ?", (rank,))
+            f"FROM params WHERE rank = ? AND {self._current('params')}", (rank,))
         root = self._one("SELECT type FROM modules WHERE rank = ? AND parent_id IS NULL "
                          "ORDER BY module_id LIMIT 1", (rank,))
         overhead = rkd.get("overhead")
@@ -712,6 +719,7 @@ class Store:
             "overhead": _finite(overhead),
             "findings": sev,
             "modules": {str(k): mods.get(str(k), 0) for k in ModuleKind},
+            "modules_removed": mods.get(REMOVED, 0),       # no longer part of the model (removed or replaced)
             "params": dict(params) if params else {},
             "started_at": rkd.get("started_at"),
             "updated_at": rkd.get("updated_at"),
@@ -747,25 +755,38 @@ class Store:
             "WHERE rank = ? ORDER BY count DESC LIMIT ?", (rank, limit), limit=limit)]
 
     # -- module tree ---------------------------------------------------------------------
+    # removed_step (v4; NULL in an older store): the step at which a module was found no longer part of the model.
+    # Such a module keeps its row, statistics and findings; the tree, the counts and the totals are the model's now.
     _MODULE_COLS = ("module_id", "parent_id", "path", "name", "type", "type_module", "kind", "depth", "n_children",
-                    "params_total", "params_trainable", "params_in_optimizer", "first_step")
+                    "params_total", "params_trainable", "params_in_optimizer", "first_step", "removed_step")
+
+    def _current(self, table: str, alias: str = "") -> str:
+        """SQL: a row of ``table`` (modules, params) that is part of the model now."""
+        return f"{self._column(table, 'removed_step', alias)} IS NULL"
+
+    def _current_first(self, alias: str = "") -> str:
+        """ORDER BY of modules that share a path: the module there now, then the latest removed from it."""
+        removed = self._column("modules", "removed_step", alias)
+        return f"({removed} IS NULL) DESC, {removed} DESC, {alias + '.' if alias else ''}module_id DESC"
 
     def _modules_where(self, where: str, params: Sequence[Any], order: str = "module_id", limit: int = 1
                        ) -> list[Row]:
         return [dict(r) for r in self._query(
-            f"SELECT {', '.join(self._MODULE_COLS)} FROM modules WHERE {where} ORDER BY {order} LIMIT ?",
-            (*params, limit), limit=limit)]
+            f"SELECT {self._select('modules', self._MODULE_COLS)} FROM modules WHERE {where} ORDER BY {order} "
+            "LIMIT ?", (*params, limit), limit=limit)]
 
     def root(self, rank: int = 0) -> Row | None:
-        rows = self._modules_where("rank = ? AND parent_id IS NULL", (rank,))
+        rows = self._modules_where(f"rank = ? AND parent_id IS NULL AND {self._current('modules')}", (rank,))
         return rows[0] if rows else None
 
     def module(self, rank: int, module_id: int) -> Row | None:
+        """One module, also one no longer part of the model (``removed_step`` says since when)."""
         rows = self._modules_where("rank = ? AND module_id = ?", (rank, module_id))
         return rows[0] if rows else None
 
     def module_by_path(self, rank: int, path: str) -> Row | None:
-        rows = self._modules_where("rank = ? AND path = ?", (rank, path))
+        """The module at ``path``: the one there now, else the one removed from it last."""
+        rows = self._modules_where("rank = ? AND path = ?", (rank, path), order=self._current_first())
         return rows[0] if rows else None
 
     def module_for_path(self, rank: int, path: str) -> Row | None:
@@ -776,13 +797,16 @@ class Store:
                 return m
         return None
 
-    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN) -> Row:
-        """Children of one node (registered first, in id order); ``more`` counts the rest."""
-        rows = self._modules_where("rank = ? AND parent_id = ?", (rank, parent_id), limit=limit + 1)
+    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN, *, also: int | None = None) -> Row:
+        """Children of one node that are part of the model now (registered first, in id order), and ``also``
+        (a module id) when it is a child no longer part of it (the one selected, drawn where it was); ``more``
+        counts the rest."""
+        where = f"rank = ? AND parent_id = ? AND ({self._current('modules')} OR module_id = ?)"
+        args = (rank, parent_id, -1 if also is None else also)
+        rows = self._modules_where(where, args, order=f"{self._current('modules')} DESC, module_id", limit=limit + 1)
         more = 0
         if len(rows) > limit:
-            n = self._one("SELECT COUNT(*) AS n FROM modules WHERE rank = ? AND parent_id = ?",
-                          (rank, parent_id))
+            n = self._one(f"SELECT COUNT(*) AS n FROM modules WHERE {where}", args)
             more = (n["n"] if n else len(rows)) - limit
         return {"items": rows[:limit], "more": more}
 
@@ -812,9 +836,11 @@ class Store:
             where.append("EXISTS (SELECT 1 FROM findings f WHERE f.rank = m.rank "
                          "AND f.module_id = m.module_id AND f.code = ? AND f.active = 1)")
             params.append(code)
-        rows = self._query(f"SELECT {', '.join('m.' + c for c in self._MODULE_COLS)} "
+        # modules no longer part of the model are found too (marked by their removed_step), after those that are
+        rows = self._query(f"SELECT {self._select('modules', self._MODULE_COLS, 'm')} "
                            f"FROM modules m WHERE {' AND '.join(where)} "
-                           "ORDER BY m.depth, m.module_id LIMIT ?", (*params, limit + 1),
+                           f"ORDER BY {self._current('modules', 'm')} DESC, m.depth, m.module_id LIMIT ?",
+                           (*params, limit + 1),
                            limit=limit + 1)
         return {"items": [dict(r) for r in rows[:limit]], "truncated": len(rows) > limit}
 
@@ -836,11 +862,13 @@ class Store:
 
     def subtree_finding_counts(self, rank: int = 0) -> dict[int, dict[str, int]]:
         """For every module on the way up from a finding: active findings below it (itself
-        included) by severity. Lets a collapsed node say "2 errors inside"."""
+        included) by severity. Lets a collapsed node say "2 errors inside" (not those drawn on a module no
+        longer part of the model: the tree does not show it)."""
         rows = self._query(
             "WITH RECURSIVE up(id, sev, lvl) AS ("
-            " SELECT module_id, severity, 0 FROM findings"
-            "  WHERE rank = ? AND active = 1 AND module_id IS NOT NULL"
+            " SELECT f.module_id, f.severity, 0 FROM findings f JOIN modules m0"
+            "  ON m0.rank = f.rank AND m0.module_id = f.module_id"
+            f"  WHERE f.rank = ? AND f.active = 1 AND {self._current('modules', 'm0')}"
             " UNION ALL SELECT m.parent_id, up.sev, up.lvl + 1 FROM up JOIN modules m"
             "  ON m.rank = ? AND m.module_id = up.id WHERE m.parent_id IS NOT NULL AND up.lvl < 256)"
             " SELECT id, sev, COUNT(*) AS n FROM up GROUP BY id, sev LIMIT 100000",
@@ -983,8 +1011,11 @@ class Store:
             "AND s.step = (SELECT MAX(step) FROM param_stats WHERE rank = p.rank "
             "AND param_id = p.param_id) "
             "WHERE p.rank = ? AND (p.module_id = ? OR (p.aliases LIKE ? ESCAPE '\\' AND ? = 1)) "
+            # a module of the model now: its tensors now; one removed: those it had (removed with it)
+            f"AND ({self._current('params', 'p')} OR ? = 1) "
             "ORDER BY p.param_id LIMIT ?",
-            (rank, module_id, like, int(m is not None), limit), limit=limit)
+            (rank, module_id, like, int(m is not None), int(m is not None and m["removed_step"] is not None), limit),
+            limit=limit)
         out = []
         for r in rows:
             d = dict(r)
@@ -1015,7 +1046,7 @@ class Store:
     def optimizer_count(self, rank: int = 0) -> int:
         """How many optimizers hold parameters of this rank (distinct ``params.opt_index``)."""
         row = self._one("SELECT COUNT(DISTINCT opt_index) AS n FROM params WHERE rank = ? "
-                        "AND opt_index IS NOT NULL", (rank,))
+                        f"AND opt_index IS NOT NULL AND {self._current('params')}", (rank,))
         return _int(row["n"]) if row else 0
 
     def modules_for_paths(self, rank: int, paths: Iterable[str]) -> dict[str, Row]:
@@ -1027,7 +1058,9 @@ class Store:
         for start in range(0, len(candidates), 500):
             chunk = candidates[start:start + 500]
             marks = ",".join("?" * len(chunk))
-            for m in self._modules_where(f"rank = ? AND path IN ({marks})", (rank, *chunk), limit=len(chunk) + 1):
+            # the module at a path now first, else the one removed from it last
+            for m in self._modules_where(f"rank = ? AND path IN ({marks})", (rank, *chunk),
+                                         order=self._current_first(), limit=len(chunk) * 4):
                 found.setdefault(m["path"], m)
         out = {}
         for p, cs in wanted.items():
@@ -1120,18 +1153,20 @@ class Store:
 
     # -- whole-store views (compare, report) -------------------------------------------------
     def state_dict_keys(self, rank: int = 0, limit: int = MAX_KEYS) -> list[str]:
-        """The keys a checkpoint (``model.state_dict()``) of this model would hold."""
+        """The keys a checkpoint (``model.state_dict()``) of this model (as it is now) would hold."""
         keys: set[str] = set()
         for r in self._query("SELECT path, aliases FROM params WHERE rank = ? AND in_state_dict = 1 "
-                             "ORDER BY param_id LIMIT ?", (rank, limit), limit=limit):
+                             f"AND {self._current('params')} ORDER BY param_id LIMIT ?", (rank, limit), limit=limit):
             keys.add(r["path"])
             for a in _loads(r["aliases"], []) or []:
                 if isinstance(a, str):
                     keys.add(a)
         return sorted(keys)
 
-    def all_modules(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> list[Row]:
-        return self._modules_where("rank = ?", (rank,), limit=limit)
+    def all_modules(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES, *, removed: bool = False) -> list[Row]:
+        """The modules of the model as it is now (``removed``: those no longer part of it instead), by id."""
+        current = self._current("modules")
+        return self._modules_where(f"rank = ? AND {f'NOT ({current})' if removed else current}", (rank,), limit=limit)
 
     def latest_module_stats(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES) -> dict[int, Row]:
         """Each module's most recent statistics row (one index seek per module)."""

@@ -20,7 +20,7 @@ from probes.schema import ModuleKind, Severity, display_path
 
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
-from .data import Store
+from .data import REMOVED, Store
 from .paths import assets_dir
 from .run import Run, RunDir, as_run_dir, format_ranks
 
@@ -52,10 +52,30 @@ def _badges(findings: list[dict[str, Any]], kind: str = ModuleKind.REGISTERED) -
                    for b in badge_specs(findings, kind))
 
 
+def _removed_text(m: dict[str, Any]) -> str:
+    return f"removed at step {m['removed_step']}: no longer part of the model"
+
+
 def _tree_html(store: Store, rank: int) -> str:
+    """The model as it is now; below it, the modules that left it during the run (each under the module it was
+    in, when that one left too), with the step at which they did."""
     mods = store.all_modules(rank, MAX_TREE_NODES)
     if not mods:
         return '<p class="muted">No modules recorded.</p>'
+    tree = _forest_html(store, rank, mods)
+    note = (f'<p class="muted">First {MAX_TREE_NODES:,} modules shown.</p>'
+            if len(mods) >= MAX_TREE_NODES else "")
+    gone = store.all_modules(rank, MAX_TREE_NODES, removed=True)
+    if gone:
+        note += (f'<h3>Removed during the run ({len(gone):,})</h3>'
+                 '<p class="muted">No longer part of the model: not in the tree above nor in its counts.</p>'
+                 + _forest_html(store, rank, gone, full_paths=True))
+    return tree + note
+
+
+def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths: bool = False) -> str:
+    """``mods`` as trees (a module whose parent is not among them is a root: labelled by its path with
+    ``full_paths``)."""
     own = store.findings_for_modules(rank, [m["module_id"] for m in mods])
     kids: dict[int, list[dict[str, Any]]] = {}
     roots = []
@@ -67,11 +87,14 @@ def _tree_html(store: Store, rank: int) -> str:
             kids.setdefault(m["parent_id"], []).append(m)
 
     def node(m: dict[str, Any], depth: int) -> str:
-        kind = ("" if m["kind"] == ModuleKind.REGISTERED
+        name = display_path(m["path"]) if full_paths and depth == 0 else m["name"] or display_path(m["path"])
+        kind = (f'<span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
+                f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None
+                else "" if m["kind"] == ModuleKind.REGISTERED
                 else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>')
         params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
         badges = _badges(own.get(m["module_id"], []), m["kind"])
-        label = (f'<span class="tree-label mono">{esc(m["name"] or display_path(m["path"]))}</span>'
+        label = (f'<span class="tree-label mono">{esc(name)}</span>'
                  f'<span class="tree-type">{esc(m["type"])}</span>{kind}{badges}{params}')
         children = kids.get(m["module_id"], [])
         if not children:
@@ -82,9 +105,7 @@ def _tree_html(store: Store, rank: int) -> str:
                 f'<ul>{inner}</ul></details></li>')
 
     body = "".join(node(r, 0) for r in roots)
-    note = (f'<p class="muted">First {MAX_TREE_NODES:,} modules shown.</p>'
-            if len(mods) >= MAX_TREE_NODES else "")
-    return f'<ul class="report-tree">{body}</ul>{note}'
+    return f'<ul class="report-tree">{body}</ul>'
 
 
 def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> str:
@@ -143,6 +164,7 @@ def _overview_html(ov: dict[str, Any]) -> str:
         ("Probe overhead", None if ov.get("overhead") is None else f"{ov['overhead'] * 100:.2f}%"),
         ("Registered modules", ov["modules"][ModuleKind.REGISTERED]),
         ("Unregistered modules", ov["modules"][ModuleKind.UNREGISTERED] + ov["modules"][ModuleKind.RUNTIME]),
+        *([("Modules removed during the run", ov["modules_removed"])] if ov.get("modules_removed") else []),
         ("Parameters", (ov.get("params") or {}).get("total")),
         ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
         *([("Failed store commits", ov["write_errors"]), ("Last store error", ov.get("last_error"))]
@@ -192,9 +214,11 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
             continue
         series = store.module_series(rank, mid)
         rev = f"r{i}"
+        gone = (f' <span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
+                f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None else "")
         module_sections.append(
             f'<section class="report-module"><h3 class="mono">{esc(display_path(m["path"]))} '
-            f'<span class="tree-type">{esc(m["type"])}</span></h3><div class="charts">'
+            f'<span class="tree-type">{esc(m["type"])}</span>{gone}</h3><div class="charts">'
             + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
             + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")
             + _fig_html(figures.grad_figure(series, rev), f"chart-{i}-grad")

@@ -1,14 +1,17 @@
 """The model index: everything the probes need to know about the watched model, as one immutable object.
 
 Built from the static structure walk (:mod:`probes.structure`) with ids that stay stable for the whole
-run (a head replaced mid-run keeps its module id), plus the modules discovered while forward ran
-(:mod:`probes.runtime_modules`). The detectors read it through the same named methods the hooks use.
+run: a module keeps its id while it stays at its path; a new module put at a path (a head replaced mid-run)
+gets a new id, and so do its tensors, so that what it replaced keeps its own rows and history (marked as
+removed, :class:`Presence`). Plus the modules discovered while forward ran (:mod:`probes.runtime_modules`).
+The detectors read it through the same named methods the hooks use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from . import tensor_stats
-from .schema import FindingCode, TensorKind
+from .schema import FindingCode, ModuleKind, TensorKind
 from .structure import (
     ModelStructure,
     ModuleNode,
@@ -30,17 +33,73 @@ from .structure import (
 
 
 class IdRegistry:
-    """Ids by path for the whole run: a path keeps its id across rebuilds."""
+    """Ids for the whole run. A module keeps its id across rebuilds while the same object is at its path; another
+    module put at the path (``model.head = nn.Linear(...)``) gets a new id. A tensor's id is its path's under its
+    owning module's id: a new module's tensors are new, a parameter replaced on the same module keeps its id."""
 
     def __init__(self) -> None:
         self._modules: dict[str, int] = {}
-        self._tensors: dict[str, int] = {}
+        self._objects: dict[str, weakref.ref[nn.Module]] = {}    # path -> the module its id was given to
+        self._n_modules = 0
+        self._tensors: dict[tuple[str, int | None], int] = {}
 
-    def module_id(self, path: str) -> int:
-        return self._modules.setdefault(path, len(self._modules))
+    def module_id(self, path: str, module: nn.Module | None = None) -> int:
+        """The id of the module at ``path`` (``module``: the object there now; None: by path alone)."""
+        mid = self._modules.get(path)
+        if module is not None:
+            known = self._objects.get(path)
+            if mid is not None and known is not None and known() is not module:
+                mid = None                      # another module at this path now (the one before is gone or moved)
+            if mid is None or known is None:
+                try:
+                    self._objects[path] = weakref.ref(module)
+                except TypeError:               # not weakly referenceable: known by its path alone
+                    self._objects.pop(path, None)
+        if mid is None:
+            mid = self._modules[path] = self._n_modules
+            self._n_modules += 1
+        return mid
 
-    def tensor_id(self, path: str) -> int:
-        return self._tensors.setdefault(path, len(self._tensors))
+    def tensor_id(self, path: str, owner: int | None = None) -> int:
+        """The id of the tensor at ``path`` owned by module id ``owner``."""
+        return self._tensors.setdefault((path, owner), len(self._tensors))
+
+
+@dataclasses.dataclass
+class Presence:
+    """Which modules and tensors the store holds as part of the model now, and the step at which each of the others
+    left it (id -> step). A module or tensor whose id comes back is current again."""
+
+    modules: dict[int, bool] = dataclasses.field(default_factory=dict)     # current id -> registered
+    tensors: dict[int, bool] = dataclasses.field(default_factory=dict)
+    removed_modules: dict[int, int] = dataclasses.field(default_factory=dict)
+    removed_tensors: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def update(self, index: ModelIndex, step: int) -> tuple[dict[int, int], dict[int, int]]:
+        """Take ``index`` (built at ``step``) as the model now; returns what left it since the last one (modules,
+        tensors: id -> step). A truncated walk (``walk_truncated``) did not see every unregistered module or tensor:
+        only registered ones that are gone are removed then."""
+        truncated = index.structure.walk_truncated
+        modules = {mid: n.kind == ModuleKind.REGISTERED for mid, n in index.modules.items()}
+        tensors = {tid: t.registered for tid, t in index.tensors.items()}
+        gone_m = {mid: step for mid, reg in self.modules.items() if mid not in modules and (reg or not truncated)}
+        gone_t = {tid: step for tid, reg in self.tensors.items() if tid not in tensors and (reg or not truncated)}
+        kept_m = {mid: reg for mid, reg in self.modules.items() if mid not in modules and mid not in gone_m}
+        kept_t = {tid: reg for tid, reg in self.tensors.items() if tid not in tensors and tid not in gone_t}
+        self.modules = {**kept_m, **modules}
+        self.tensors = {**kept_t, **tensors}
+        for mid in modules:
+            self.removed_modules.pop(mid, None)
+        for tid in tensors:
+            self.removed_tensors.pop(tid, None)
+        self.removed_modules.update(gone_m)
+        self.removed_tensors.update(gone_t)
+        return gone_m, gone_t
+
+    def add(self, node: ModuleNode) -> None:
+        """A module found while forward ran."""
+        self.modules[node.module_id] = node.kind == ModuleKind.REGISTERED
+        self.removed_modules.pop(node.module_id, None)
 
 
 def measurable(t: torch.Tensor) -> bool:
@@ -270,13 +329,13 @@ def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], i
     """Walk the model and give every module and tensor its run-stable id."""
     s = build_structure(model, optimizers)
     for node in s.modules:
-        node.module_id = ids.module_id(node.path)
+        node.module_id = ids.module_id(node.path, node.module)
     remap = {i: n.module_id for i, n in enumerate(s.modules)}
     for node in s.modules:
         node.parent_id = remap.get(node.parent_id) if node.parent_id is not None else None
     for t in s.tensors:
         t.module_id = remap.get(t.module_id) if t.module_id is not None else None
-        t.param_id = ids.tensor_id(t.path)
+        t.param_id = ids.tensor_id(t.path, t.module_id)
     modules = {n.module_id: n for n in s.modules}
     for rt in runtime_nodes:
         modules.setdefault(rt.module_id, rt)

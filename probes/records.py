@@ -71,10 +71,10 @@ def upsert_sql(table: str, columns: Iterable[str], key: Iterable[str], keep: Ite
     return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({placeholders}) {conflict}"
 
 MODULE_COLS = ("rank", "module_id", "path", "parent_id", "name", "type", "type_module", "kind", "depth",
-               "n_children", "params_total", "params_trainable", "params_in_optimizer", "first_step")
+               "n_children", "params_total", "params_trainable", "params_in_optimizer", "first_step", "removed_step")
 PARAM_COLS = ("rank", "param_id", "path", "module_id", "name", "shape", "numel", "dtype", "device", "kind",
               "requires_grad", "registered", "is_parameter", "in_state_dict", "in_optimizer", "opt_index",
-              "opt_group", "lr", "aliases")
+              "opt_group", "lr", "aliases", "removed_step")
 STEP_COLS = ("rank", "step", "wall_time", "step_ms", "probe_ms", "sampled")
 MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "absmax", "zero_frac",
               "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
@@ -121,15 +121,30 @@ def rank_counters_op(rank: int, step: int, now: float, written: int, dropped: in
 
 def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[TensorNode],
                   first_step: int | None) -> list[Op]:
+    """The rows of modules and tensors that are part of the model now (``removed_step`` NULL: one that had left
+    it and is back is current again)."""
     mrows = [(rank, m.module_id, m.path, m.parent_id, m.name, m.type, m.type_module, m.kind, m.depth,
-              m.n_children, m.params_total, m.params_trainable, m.params_in_optimizer, first_step)
+              m.n_children, m.params_total, m.params_trainable, m.params_in_optimizer, first_step, None)
              for m in modules]
     prows = [(rank, t.param_id, t.path, t.module_id, t.name, _json(t.shape), t.numel, t.dtype, t.device,
               t.kind, int(t.requires_grad), int(t.registered), int(t.is_parameter), int(t.in_state_dict),
-              int(t.in_optimizer), t.opt_index, t.opt_group, finite_or_none(t.lr), _json(t.aliases))
+              int(t.in_optimizer), t.opt_index, t.opt_group, finite_or_none(t.lr), _json(t.aliases), None)
              for t in tensors]
     module_sql = upsert_sql("modules", MODULE_COLS, ("rank", "module_id"), keep=("first_step",))
     ops: list[Op] = [(module_sql, mrows), (upsert_sql("params", PARAM_COLS, ("rank", "param_id")), prows)]
+    return ops
+
+
+def removal_ops(rank: int, modules: Mapping[int, int], tensors: Mapping[int, int]) -> list[Op]:
+    """Modules and tensors (id -> step) that are no longer part of the model: their rows, statistics and findings
+    stay, marked with the step they left it at."""
+    ops: list[Op] = []
+    if modules:
+        ops.append(("UPDATE modules SET removed_step=? WHERE rank=? AND module_id=?",
+                    [(step, rank, mid) for mid, step in modules.items()]))
+    if tensors:
+        ops.append(("UPDATE params SET removed_step=? WHERE rank=? AND param_id=?",
+                    [(step, rank, tid) for tid, step in tensors.items()]))
     return ops
 
 

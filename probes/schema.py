@@ -42,7 +42,7 @@ __all__ = ["CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STO
            "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
            "status_path", "store_filename"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MIN_READ_VERSION = 1          # the oldest store version readers still open
 
 # ---------------------------------------------------------------------------------- file names
@@ -389,6 +389,8 @@ CREATE TABLE IF NOT EXISTS modules (
     params_trainable    INTEGER NOT NULL DEFAULT 0,   -- of which requires_grad
     params_in_optimizer INTEGER NOT NULL DEFAULT 0,   -- of which held by a watched optimizer
     first_step          INTEGER,
+    removed_step        INTEGER,           -- v4: the step of the first index build it was no longer part of the
+                                           -- model at (NULL: current); a new module at its path has a new id
     PRIMARY KEY (rank, module_id)
 );
 CREATE INDEX IF NOT EXISTS modules_by_parent ON modules(rank, parent_id);
@@ -414,6 +416,8 @@ CREATE TABLE IF NOT EXISTS params (
     lr            REAL,              -- its group's at the index's build (NULL: a tensor on an accelerator)
     aliases       TEXT,              -- JSON list of other names of the same tensor (tied weights)
     moved         INTEGER,           -- 1 once an update changed it, 0 if observed unchanged, NULL unknown
+    removed_step  INTEGER,           -- v4: as modules.removed_step (NULL: current); its owner's new module's
+                                     -- tensors have new ids
     PRIMARY KEY (rank, param_id)
 );
 CREATE INDEX IF NOT EXISTS params_by_module ON params(rank, module_id);
@@ -497,6 +501,8 @@ TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats", "param_
 # Columns added after version 1: readers of an older store read them as NULL (or the default).
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
     "ranks": (("write_errors", "0"), ("last_error", "NULL")),
+    "modules": (("removed_step", "NULL"),),
+    "params": (("removed_step", "NULL"),),
     "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
     "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
 })

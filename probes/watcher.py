@@ -31,7 +31,7 @@ from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
 from .losses import LossRecorder
-from .model_index import IdRegistry, ModelIndex, build_index, model_signature
+from .model_index import IdRegistry, ModelIndex, Presence, build_index, model_signature
 from .records import Op
 from .rundir import RunFiles, interval_channel
 from .runtime_modules import RuntimeModules
@@ -88,6 +88,7 @@ class Watcher:
         self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0)
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
+        self._presence = Presence()                   # what the store holds as the model now, and what left it
         self._runtime = RuntimeModules(self._ids)
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
@@ -262,7 +263,10 @@ class Watcher:
             self._probe.errors.record_message(
                 "structure-walk", "WalkTruncated", "the walk over the model's attributes stopped early (too many "
                 "objects or nesting too deep): unregistered modules beyond that point are not reported", step)
-        self._writer.submit(records.structure_ops(self.rank, index.structure.modules, index.structure.tensors, step),
+        gone_modules, gone_tensors = self._presence.update(index, step)
+        # one transaction: a reader never sees the new module at a path next to the one it replaced as current
+        self._writer.submit([*records.removal_ops(self.rank, gone_modules, gone_tensors),
+                             *records.structure_ops(self.rank, index.structure.modules, index.structure.tensors, step)],
                             droppable=False)
         self._capture.index = index
         self._capture.set_compiled(compiled_modules(model))
@@ -273,6 +277,7 @@ class Watcher:
         """A module found while forward ran (closure, global, built in forward)."""
         self._index = self._index.with_runtime(node)
         self._capture.index = self._index
+        self._presence.add(node)
         self._writer.submit(records.structure_ops(self.rank, [node], [], self._probe.step), droppable=False)
 
     def _maybe_rebuild(self) -> None:
@@ -404,6 +409,7 @@ class Watcher:
         s, step = self._index.structure, self._probe.step
         return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
+                *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
                 *self._evaluator.tracker.rewrite_ops(step)]
 
 

@@ -33,7 +33,7 @@ from ..components import (
     toggled,
 )
 from ..config import AppConfig
-from ..data import MAX_CHILDREN, MAX_SEARCH, Store
+from ..data import MAX_CHILDREN, MAX_SEARCH, REMOVED, Store
 from ..poll import Tick, callback, plural, reads_store, view_of
 from ..run import Run, fold_causes, format_ranks
 
@@ -97,20 +97,30 @@ def layout(config: AppConfig) -> html.Div:
 # -- tree rendering ---------------------------------------------------------------------------------
 # The server sends plain row data (small JSON); assets/modscope.js (renderTree) draws the rows with
 # textContent, never HTML. Drawing hundreds of rows as Dash components took ~3 ms per row.
+def removed_title(m: Mapping[str, Any]) -> str | None:
+    """What a module no longer part of the model says of it (None for one that is)."""
+    step = m.get("removed_step")
+    if step is None:
+        return None
+    return f"removed at step {step}: no longer part of the model (its statistics and findings are kept)"
+
+
 def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: list[dict[str, Any]],
              inside: dict[str, int] | None, show_path: bool = False) -> dict[str, Any]:
-    """Everything one tree row shows, as plain data (pure)."""
-    has_children = m["n_children"] > 0 and not show_path
+    """Everything one tree row shows, as plain data (pure). A module no longer part of the model is of kind
+    "removed" (its badge's title says since which step)."""
+    gone = removed_title(m)
+    has_children = m["n_children"] > 0 and not show_path and gone is None
     pill = subtree_pill(inside) if inside and has_children and not expanded else None
     return {
-        "id": m["module_id"], "path": m["path"], "kind": m["kind"],
+        "id": m["module_id"], "path": m["path"], "kind": REMOVED if gone else m["kind"],
         "label": display_path(m["path"]) if show_path else (m["name"] or m["type"]),
         "type": m["type"] if (m["path"] or show_path) else "",
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
         "level": 1 if show_path else m["depth"] + 1,          # aria-level (a flat search result: 1)
         "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
-        "kind_title": KIND_TITLES.get(m["kind"], ""),
+        "kind_title": gone or KIND_TITLES.get(m["kind"], ""),
         "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],
         "inside": pill,
         "params": params_text(m),
@@ -126,7 +136,8 @@ def subtree_pill(counts: Mapping[str, int]) -> dict[str, str] | None:
 
 
 def build_tree(store: Store, rank: int, expanded: list[int], selected: int | None) -> tuple[dict[str, Any], str]:
-    """The visible part of the tree: the root and the children of expanded nodes only."""
+    """The visible part of the tree: the root and the children of expanded nodes only, as the model is now (a
+    module no longer part of it is drawn where it was when it is the one selected)."""
     root = store.root(rank)
     if root is None:
         return {"rows": [], "message": "No modules recorded yet."}, ""
@@ -139,7 +150,7 @@ def build_tree(store: Store, rank: int, expanded: list[int], selected: int | Non
         m = stack.pop()
         nodes.append(m)
         if m["module_id"] in expanded_set and m["n_children"]:
-            ch = store.children(rank, m["module_id"], MAX_CHILDREN)
+            ch = store.children(rank, m["module_id"], MAX_CHILDREN, also=selected)
             if ch["more"]:
                 more[display_path(m["path"])] = ch["more"]
             stack.extend(reversed(ch["items"]))
@@ -223,7 +234,9 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
     return [
         html.Div([html.H2(display_path(m["path"]), className="mono"),
                   html.Span(m["type"], className="detail-type", title=m.get("type_module") or ""),
-                  kind_badge(m["kind"]), *finding_badges(own, m["kind"])], className="detail-title"),
+                  kind_badge(m["kind"]) if m.get("removed_step") is None
+                  else html.Span(REMOVED, className=f"badge kind-{REMOVED}", title=removed_title(m)),
+                  *finding_badges(own, m["kind"])], className="detail-title"),
         html.Div([
             html.Span(f"{m['params_total']:,} parameters"),
             html.Span(f"{m['params_trainable']:,} trainable"),
@@ -234,6 +247,8 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
                       title="tied: the same tensor under another name") if shared else None,
             html.Span(f"{m['n_children']:,} children"),
             html.Span(f"first seen at step {m['first_step']}") if m.get("first_step") is not None else None,
+            html.Span(f"removed at step {m['removed_step']}", className="bad")
+            if m.get("removed_step") is not None else None,
         ], className="detail-facts"),
     ]
 

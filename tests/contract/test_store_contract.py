@@ -428,6 +428,146 @@ def test_a_real_store_as_version_1(runs, tmp_path):
     assert [p["lr"] for p in old.module_params(0, stem)] == [pytest.approx(0.1)] * 2
 
 
+def test_a_real_store_as_version_3(runs, tmp_path):
+    """A store written before modules and tensors that leave the model were marked (schema version 3) opens: every
+    module and tensor reads as part of the model (removed_step NULL), and a writer appending to it adds the column."""
+    copy = tmp_path / "old" / store_file(runs["xor"].run_dir).name
+    copy.parent.mkdir()
+    shutil.copy(store_file(runs["xor"].run_dir), copy)
+    con = sqlite3.connect(copy)
+    try:
+        for table in ("modules", "params"):
+            con.execute(f"ALTER TABLE {table} DROP COLUMN removed_step")
+        con.execute("PRAGMA user_version = 3")
+        con.commit()
+    finally:
+        con.close()
+    old, new = Store.open_run(copy.parent), runs["xor"].store
+    assert old.validate().schema_version == 3
+    assert old.all_modules() == new.all_modules() and all(m["removed_step"] is None for m in old.all_modules())
+    assert old.all_modules(removed=True) == []
+    assert old.overview()["modules"] == new.overview()["modules"] and old.overview()["modules_removed"] == 0
+    assert old.overview()["params"] == new.overview()["params"] and old.state_dict_keys() == new.state_dict_keys()
+    root = old.root()["module_id"]
+    assert old.children(0, root) == new.children(0, root)
+    assert old.search_modules(0, "blocks") == new.search_modules(0, "blocks")
+    blk = by_path(old, BLOCKS[0])["module_id"]
+    assert [p["path"] for p in old.module_params(0, blk)] == [p["path"] for p in new.module_params(0, blk)]
+    assert old.change_signature().structure[0] == 7
+    tree, _ = modules_page.build_tree(old, 0, [m["module_id"] for m in old.all_modules()], None)
+    assert {r["kind"] for r in tree["rows"]} == {"registered", "unregistered"}
+    from probes.store import connect_writer
+    conn = connect_writer(copy)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
+        assert conn.execute("SELECT COUNT(*) FROM modules WHERE removed_step IS NULL").fetchone()[0] == 7
+    finally:
+        conn.close()
+
+
+class Swapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        for b in self.blocks:
+            h = torch.relu(b(h))
+        return self.head(h)
+
+
+SWAP_AT = 6
+
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory) -> Recorded:
+    """A run whose model changes at step SWAP_AT: its last block is deleted (ModuleList.pop) and its head replaced
+    by a new one (the optimizer, built before, still holds the old head's parameters)."""
+    torch.manual_seed(0)
+    model = Swapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    calls = iter(range(STEPS))
+
+    def step() -> torch.Tensor:
+        if next(calls) == SWAP_AT:
+            model.blocks.pop(2)
+            model.head = nn.Linear(16, 2)
+        return classifier_step(model, opt, x, y)()
+    return train(tmp_path_factory.mktemp("swapped"), model, opt, step)
+
+
+def test_a_changed_model_is_read_as_it_is_now(swapped, runs, tmp_path):
+    """The tree, the counts, the checkpoint keys, the search, a module's detail, the report, a snapshot and Compare
+    of a run whose model changed: the model as it is now; what left it readable (its history and tensors), marked
+    with the step it left at, and never counted as part of the model."""
+    s = swapped.store
+    now = {m["path"]: m for m in s.all_modules()}
+    assert set(now) == {"", "stem", "blocks", "blocks.0", "blocks.1", "head"}
+    gone = {m["path"]: m for m in s.all_modules(removed=True)}
+    assert set(gone) == {"blocks.2", "head"} and {m["removed_step"] for m in gone.values()} == {SWAP_AT}
+    old_head, new_head = gone["head"], now["head"]
+    assert old_head["module_id"] != new_head["module_id"] and new_head["first_step"] == SWAP_AT
+    assert s.module_by_path(0, "head") == new_head and s.module_for_path(0, "head.weight") == new_head
+    assert s.modules_for_paths(0, ["head.bias", "blocks.2"]) == {"head.bias": new_head, "blocks.2": gone["blocks.2"]}
+    root = s.root()
+    assert root["params_total"] == 16 * 8 + 16 + 2 * (16 * 16 + 16) + 16 * 2 + 2
+    assert [m["path"] for m in s.children(0, root["module_id"])["items"]] == ["stem", "blocks", "head"]
+    assert [m["path"] for m in s.children(0, now["blocks"]["module_id"])["items"]] == ["blocks.0", "blocks.1"]
+    # the tree: the model now; a removed module drawn (as "removed") only where it was, when it is the one selected
+    every = [m["module_id"] for m in (*now.values(), *gone.values())]
+    tree, _ = modules_page.build_tree(s, 0, every, None)
+    assert [r["path"] for r in tree["rows"]] == ["", "stem", "blocks", "blocks.0", "blocks.1", "head"]
+    assert {r["kind"] for r in tree["rows"]} == {"registered"}
+    tree, _ = modules_page.build_tree(s, 0, every, old_head["module_id"])
+    rows = [(r["path"], r["kind"], r["kind_title"]) for r in tree["rows"]]
+    assert rows[-2:] == [("head", "registered", ""), ("head", "removed", modules_page.removed_title(old_head))]
+    assert rows[-1][2].startswith(f"removed at step {SWAP_AT}")
+    found = modules_page.build_results(s, 0, "head", None, None)[0]["rows"]
+    assert [(r["path"], r["kind"]) for r in found] == [("head", "registered"), ("head", "removed")]
+    # counts: the model now (each tensor once), the removed apart
+    ov = s.overview()
+    assert ov["modules"] == {"registered": 6, "unregistered": 0, "runtime": 0} and ov["modules_removed"] == 2
+    assert ov["params"]["total"] == root["params_total"] and ov["params"]["state_dict_tensors"] == 8
+    assert s.state_dict_keys() == sorted(f"{m}.{p}" for m in ("stem", "blocks.0", "blocks.1", "head")
+                                         for p in ("weight", "bias"))
+    # what left the model keeps its history and its own tensors; the new head has its own
+    assert s.module_series(0, old_head["module_id"])["step"] == list(range(SWAP_AT))
+    assert s.module_series(0, new_head["module_id"])["step"][-1] == STEPS - 1
+    assert s.module_series(0, new_head["module_id"])["step"][0] >= SWAP_AT
+    old_params = s.module_params(0, old_head["module_id"])
+    new_params = s.module_params(0, new_head["module_id"])
+    assert [p["path"] for p in old_params] == [p["path"] for p in new_params] == ["head.weight", "head.bias"]
+    assert {p["param_id"] for p in old_params}.isdisjoint(p["param_id"] for p in new_params)
+    assert [p["in_optimizer"] for p in old_params] == [1, 1] and [p["in_optimizer"] for p in new_params] == [0, 0]
+    assert {f["module_id"] for f in s.findings(active=True) if f["path"].startswith("head.")} == \
+        {new_head["module_id"]}
+    # the module's detail says it left the model
+    run = RunDir.open(swapped.run_dir).run()
+    detail = modules_page.detail_full(run, 0, old_head["module_id"])
+    assert f"removed at step {SWAP_AT}" in str(detail.header)
+    assert "removed at step" not in str(modules_page.detail_full(run, 0, new_head["module_id"]).header)
+    # the report: the tree of the model now, and what was removed below it
+    report = build_report(run)
+    assert "<th>Modules removed during the run</th><td>2</td>" in report
+    assert "Modules removed during the run" not in build_report(RunDir.open(runs["xor"].run_dir).run())
+    tree_html = report.split('id="tree"', 1)[1].split("</section>", 1)[0]
+    now_html, _, gone_html = tree_html.partition("Removed during the run (2)")
+    assert "blocks.2" not in now_html and "removed at step" not in now_html
+    assert "blocks.2" in gone_html and gone_html.count(f"removed at step {SWAP_AT}") == 4      # badge and title
+    # a snapshot keeps it all
+    snap = schema.snapshot([store_file(swapped.run_dir)], tmp_path / "snap.sqlite")
+    copy = Store.open_snapshot(snap)
+    assert copy.all_modules(removed=True) == s.all_modules(removed=True) and copy.overview()["modules_removed"] == 2
+    # Compare matches the models as they are now
+    cmp = compare_stores(copy, s)
+    assert sorted(m["key"] for m in cmp["modules"]) == sorted(now) and not any(m["changed"] for m in cmp["modules"])
+    assert cmp["keys_added"] == cmp["keys_removed"] == []
+
+
 def test_the_learning_rate_a_scheduler_sets_is_stored_per_step(tmp_path):
     """The params table holds the lr its param group had when the model was indexed; a scheduler changes it every
     step (a warmup from 0), so each sampled step stores its own, and the parameter table shows the latest."""

@@ -578,3 +578,93 @@ def test_snapshot_is_named_by_the_step_it_holds(tmp_path):
     out.write_bytes(data)
     assert step == 4 == Store.open_snapshot(out).overview()["step"] < run.at(0).overview()["step"]
     st.close()
+
+
+def removed_store(path: Path) -> tuple[synth_store.SynthStore, dict[str, int]]:
+    """The fixed demo classifier whose head was replaced at step 10 (the old one's tensors with it) and whose last
+    block was deleted then, as the writer marks them (modules.removed_step, params.removed_step)."""
+    st = synth_store.demo(path, steps=10, fixed=True, live=True)
+    ids = {m["path"]: m["module_id"] for m in st.modules}
+    new_head = st.add_module("head", ids[""], "head", "Linear", params=34, relu=False)
+    st.add_param(new_head, "head.weight", "weight", [2, 16], in_optimizer=False)
+    st.add_param(new_head, "head.bias", "bias", [2], in_optimizer=False)
+    for table in ("modules", "params"):             # a module's tensors leave the model with it
+        st.conn.execute(f"UPDATE {table} SET removed_step = 10 WHERE module_id IN (?, ?)",
+                        (ids["head"], ids["encoder.blocks.2"]))
+    st.conn.execute("UPDATE modules SET n_children = 3, params_total = 898 - 272 WHERE module_id = ?", (ids[""],))
+    st.add_finding("not-updating", "head.weight", "error", ids["head"], "old head", active=0)
+    st.add_finding("dead-units", "encoder.blocks.2", "warning", ids["encoder.blocks.2"], "dead")
+    st.add_steps(2, modules=[i for p, i in ids.items() if p not in ("head", "encoder.blocks.2")] + [new_head])
+    return st, {**ids, "new head": new_head}
+
+
+def test_modules_that_left_the_model_are_not_the_model(tmp_path):
+    """The tree, the counts and the checkpoint keys are the model's now; a module that left it is found (search, by
+    id, by path when nothing is there now) and keeps its tensors, statistics and findings."""
+    st, ids = removed_store(tmp_path / "modscope.sqlite")
+    s = Store.open_run(tmp_path)
+    root = s.root()
+    assert [m["path"] for m in s.children(0, root["module_id"])["items"]] == ["stem", "encoder", "head"]
+    assert s.children(0, root["module_id"])["items"][-1]["module_id"] == ids["new head"]
+    lst = ids["encoder.blocks"]
+    assert [m["path"] for m in s.children(0, lst)["items"]] == ["encoder.blocks.0", "encoder.blocks.1"]
+    # the one selected is drawn where it was, after the modules there now
+    also = s.children(0, root["module_id"], also=ids["head"])["items"]
+    assert [(m["path"], m["removed_step"]) for m in also] == [("stem", None), ("encoder", None), ("head", None),
+                                                               ("head", 10)]
+    assert s.children(0, lst, limit=1) == {"items": s.children(0, lst)["items"][:1], "more": 1}
+    assert s.module_by_path(0, "head")["module_id"] == ids["new head"]                 # the one there now
+    assert s.module_by_path(0, "encoder.blocks.2")["removed_step"] == 10                # else the one removed
+    assert s.module_for_path(0, "head.bias")["module_id"] == ids["new head"]
+    assert s.modules_for_paths(0, ["head.weight"])["head.weight"]["module_id"] == ids["new head"]
+    assert s.module(0, ids["head"])["removed_step"] == 10
+    assert {m["path"] for m in s.all_modules(removed=True)} == {"head", "encoder.blocks.2"}
+    assert "encoder.blocks.2" not in {m["path"] for m in s.all_modules()}
+    res = s.search_modules(0, "head")["items"]
+    assert [(m["module_id"], m["removed_step"]) for m in res] == [(ids["new head"], None), (ids["head"], 10)]
+    ov = s.overview()
+    assert ov["modules"] == {"registered": 7, "unregistered": 0, "runtime": 0} and ov["modules_removed"] == 2
+    assert ov["params"]["total"] == 898 - 272 and ov["params"]["in_optimizer"] == 898 - 272 - 34
+    assert s.state_dict_keys() == sorted(["stem.weight", "stem.bias", "head.weight", "head.bias",
+                                          *(f"encoder.blocks.{i}.{p}" for i in (0, 1) for p in ("weight", "bias"))])
+    # the old head: its own tensors and history; the new head: its own
+    old = s.module_params(0, ids["head"])
+    assert [p["in_optimizer"] for p in old] == [1, 1] and {p["param_id"] for p in old} == \
+        {p["param_id"] for p in st.params if p["module_id"] == ids["head"]}
+    assert [p["in_optimizer"] for p in s.module_params(0, ids["new head"])] == [0, 0]
+    assert s.module_series(0, ids["head"])["step"] == list(range(10))
+    assert s.module_series(0, ids["new head"])["step"] == [10, 11]
+    assert [f["message"] for f in s.findings(active=False, module_id=ids["head"])] == ["old head"]
+    # a finding on a module that left the model is not counted "inside" the tree that no longer holds it
+    assert s.subtree_finding_counts() == {}
+    st.conn.execute("UPDATE params SET opt_index = 1 WHERE module_id = ?", (ids["head"],))   # its own optimizer
+    st.commit()
+    assert s.optimizer_count() == 1                  # that holds nothing of the model now
+    st.close()
+
+
+def test_a_tensor_removed_from_a_module_of_the_model_is_not_listed_under_it(tmp_path):
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=3, fixed=True, live=True)
+    stem = st.modules[1]["module_id"]
+    st.conn.execute("UPDATE params SET removed_step = 2 WHERE path = 'stem.bias'")      # del stem.bias
+    st.commit()
+    s = Store.open_run(tmp_path)
+    assert [p["path"] for p in s.module_params(0, stem)] == ["stem.weight"]
+    assert "stem.bias" not in s.state_dict_keys()
+    st.close()
+
+
+def test_change_signature_moves_when_a_module_leaves_the_model(tmp_path):
+    """A module deleted changes no count of rows: the tree must still be drawn again."""
+    st = synth_store.demo(tmp_path / "modscope.sqlite", steps=3, fixed=True, live=True)
+    s = Store.open_run(tmp_path)
+    a = s.change_signature()
+    st.conn.execute("UPDATE modules SET removed_step = 3 WHERE path = 'encoder.blocks.2'")
+    st.commit()
+    b = s.change_signature()
+    assert b.structure[0] == a.structure[0] and b.structure != a.structure
+    st.conn.execute("UPDATE modules SET removed_step = NULL WHERE path = 'encoder.blocks.2'")     # back
+    st.conn.execute("UPDATE modules SET removed_step = 3 WHERE path = 'encoder.blocks.1'")
+    st.commit()
+    assert s.change_signature().structure != b.structure
+    st.close()

@@ -113,3 +113,90 @@ def test_modules_deleted_while_the_optimizer_holds_parameters_of_one(tmp_path, r
         assert w.probe_errors == {}
         found = serious(w)
     assert {code for code, _ in found} == {"stale-optimizer-param"} and len(found) == 2     # aux.weight, aux.bias
+
+
+def test_a_deleted_module_leaves_the_stored_model_and_keeps_its_history(tmp_path, read_path):
+    """The deleted modules and their tensors are marked with the step the index was rebuilt without them: the rows,
+    their statistics and findings stay (what a user investigates), but they are no longer the model."""
+    torch.manual_seed(0)
+    model = Heads()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        steps(model, opt, w, 5)
+        del model.drop, model.aux
+        steps(model, opt, w, 10, seed=1)
+    gone = stored(w, "SELECT path, removed_step FROM modules WHERE removed_step IS NOT NULL ORDER BY path")
+    assert [p for p, _ in gone] == ["aux", "drop"] and {s for _, s in gone} <= {5, 6}
+    assert stored(w, "SELECT path FROM params WHERE removed_step IS NOT NULL ORDER BY path") == \
+        [("aux.bias",), ("aux.weight",)]
+    assert stored(w, "SELECT path FROM modules WHERE removed_step IS NULL ORDER BY path") == \
+        [("",), ("body",), ("heads",), ("heads.0",)]
+    history = stored(w, "SELECT s.step FROM module_stats s JOIN modules m USING (rank, module_id) "
+                        "WHERE m.path = 'aux' ORDER BY s.step")
+    assert [s for s, in history] == [0, 1, 2, 3, 4]                 # measured until it left
+    assert stored(w, "SELECT params_total FROM modules WHERE path = ''") == [(16 * 8 + 16 + 16 * 2 + 2,)]
+
+
+def test_a_module_replaced_at_its_path_is_a_new_module(tmp_path, read_path):
+    """``model.aux = nn.Linear(...)``: the same path, another module (the head swapped after the optimizer was
+    built). The one replaced keeps its id, rows and history, marked removed; the new one has a new id, its own
+    first step, tensors and findings."""
+    torch.manual_seed(0)
+    model = Heads()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        steps(model, opt, w, 5)
+        model.aux = nn.Linear(16, 2)
+        steps(model, opt, w, 10, seed=1)
+        found = {(f.code, f.path) for f in w.findings()}
+    rows = stored(w, "SELECT module_id, first_step, removed_step FROM modules WHERE path = 'aux' ORDER BY module_id")
+    assert len(rows) == 2
+    (old, old_first, old_gone), (new, new_first, new_gone) = rows
+    assert old_first == 0 and old_gone in (5, 6) and new_first == old_gone and new_gone is None
+    history = {mid: [s for s, in stored(w, f"SELECT step FROM module_stats WHERE module_id = {mid} ORDER BY step")]
+               for mid in (old, new)}
+    assert history[old] == [0, 1, 2, 3, 4] and history[new][-1] == 14 and history[new][0] >= 5
+    tensors = stored(w, "SELECT module_id, in_optimizer, removed_step IS NULL FROM params WHERE path = 'aux.weight' "
+                        "ORDER BY param_id")
+    assert tensors == [(old, 1, 0), (new, 0, 1)]
+    assert ("not-in-optimizer", "aux.weight") in found
+    assert stored(w, "SELECT module_id FROM findings WHERE code = 'not-in-optimizer' AND path = 'aux.weight'") == \
+        [(new,)]
+
+
+def test_a_module_put_back_is_part_of_the_model_again(tmp_path):
+    torch.manual_seed(0)
+    model = Heads()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        steps(model, opt, w, 3)
+        aux = model.aux
+        del model.aux
+        steps(model, opt, w, 3, seed=1)
+        w._writer.flush()
+        assert stored(w, "SELECT removed_step FROM modules WHERE path = 'aux'") == [(3,)]
+        # what a failed commit held is written again: the removal too
+        assert any(sql.startswith("UPDATE modules SET removed_step") for sql, _ in w._lost_writes())
+        model.aux = aux
+        steps(model, opt, w, 3, seed=2)
+    assert stored(w, "SELECT removed_step FROM modules WHERE path = 'aux'") == [(None,)]
+    assert stored(w, "SELECT COUNT(*) FROM params WHERE removed_step IS NOT NULL") == [(0,)]
+
+
+def test_a_truncated_walk_removes_no_unregistered_module():
+    """A walk over the model's attributes that stopped early (too many objects) did not see every unregistered module
+    or tensor: those it missed are not taken for removed; registered ones (model.modules()) still are."""
+    from types import SimpleNamespace as NS
+
+    from probes.model_index import Presence
+
+    def index(modules, tensors, truncated=False):
+        return NS(structure=NS(walk_truncated=truncated), modules={i: NS(kind=k) for i, k in modules.items()},
+                  tensors={i: NS(registered=r) for i, r in tensors.items()})
+    p = Presence()
+    assert p.update(index({0: "registered", 1: "unregistered", 2: "registered"}, {0: False, 1: True}), 3) == ({}, {})
+    assert p.update(index({0: "registered"}, {}, truncated=True), 7) == ({2: 7}, {1: 7})
+    assert p.update(index({0: "registered"}, {}), 9) == ({1: 9}, {0: 9})           # a full walk: gone indeed
+    assert p.removed_modules == {1: 9, 2: 7} and p.removed_tensors == {0: 9, 1: 7}
+    assert p.update(index({0: "registered", 2: "registered"}, {1: True}), 12) == ({}, {})      # back
+    assert p.removed_modules == {1: 9} and p.removed_tensors == {0: 9}
