@@ -11,6 +11,8 @@ there is evidence of the fix, or to the end of the run:
   again in step with the model in that mode.
 - forward-bypassed: a module's parameters got gradients in a step its ``__call__`` never ran in; fixed
   when they get gradients in a step the module was called in.
+- no-gradient: a trained tensor's module ran in the training forward of GRADLESS_SAMPLES sampled steps that trained
+  its optimizer (a gradient reached another tensor it holds), and no gradient reached the tensor; fixed when one does.
 - non-finite: the origin of an episode of NaN/Inf values is the first module, in execution order, of the
   episode's first step (or the loss, when that step was not sampled); later steps of the episode add
   evidence, never a new origin. A finding about non-finite values stays to the end of the run.
@@ -159,7 +161,7 @@ class EventBook:
             if any(m in ev.called for m in ev.owners.get(tid, ())):
                 del self._bypass[tid]                 # its module was called in a step it got a gradient in
                 self.changed = True
-        for g in ev.gradless:
+        for g in self._trained_by_the_step(ev, view):
             seen_g = self._gradless.get(g.tensor_id)
             if seen_g is None:
                 self._gradless[g.tensor_id] = (Occurrence(step, step), g.module_ids)
@@ -189,6 +191,17 @@ class EventBook:
             path = view.module_path(owner) if owner is not None and view.has_module(owner) else view.tensor_path(tid)
             self._start_episode(NonFiniteOrigin("gradient", path, step, len(grads),
                                                 tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
+
+    @staticmethod
+    def _trained_by_the_step(ev: SampledEvents, view: ModelView) -> list[GradlessCandidate]:
+        """The candidates whose optimizer the step trained: a gradient reached some other tensor it holds. A step in
+        which another optimizer stepped alone (a GAN's critic trained five times per generator step, the generator
+        running in each for its samples) is not expected to reach this one's tensors."""
+        if not ev.gradless:
+            return []
+        trained = {g[0] for t in ev.arrived if view.tensor_known(t) and (g := view.tensor_group(t)) is not None}
+        return [c for c in ev.gradless if view.tensor_known(c.tensor_id)
+                and (g := view.tensor_group(c.tensor_id)) is not None and g[0] in trained]
 
     # -------------------------------------------------------------------------- out
     def findings(self, view: ModelView) -> list[Finding]:

@@ -287,6 +287,45 @@ def test_gan_with_two_optimizers(run_dir):
         assert not w.probe_errors, w.probe_errors
 
 
+class WGAN(nn.Module):
+    """Lightning-style: the module's forward is the generator's."""
+
+    def __init__(self):
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+    def forward(self, z):
+        return self.G(z)
+
+
+def test_wgan_critic_trained_five_times_per_generator_step(run_dir):
+    """The critic steps five times per generator step, the generator making its samples in each (detached): the steps
+    in which the critic alone trained are not expected to reach G. G was reported no-gradient (a warning, on and off
+    all run long) before: a step that trained any optimizer counted against every other one's tensors."""
+    gan = WGAN()
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            for _ in range(5):
+                fake = gan(torch.randn(32, 8)).detach()
+                loss_d = gan.D(fake).mean() - gan.D(torch.randn(32, 16)).mean()
+                opt_d.zero_grad()
+                loss_d.backward()
+                opt_d.step()
+                w.step(loss_d)
+                assert anything(w) == []
+            loss_g = -gan.D(gan(torch.randn(32, 8))).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+            w.step(loss_g)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+    assert stored(w, "SELECT code, path FROM findings") == []          # not even for a while
+
+
 class LoRALinear(nn.Module):
     """A frozen base layer and a trainable low-rank update (B starts at zero, as LoRA's does)."""
 
