@@ -4,14 +4,20 @@
 //    "open") and data-mid (a module id); one delegated listener writes the click into the
 //    "ui-click" store, whose server callback updates the selection / expanded nodes / URL.
 //    (One pattern-matching callback input per row made large trees slow to render.)
+//    A finding's action has a control of its own: a native <button> (its path on a card, the whole
+//    row of a top finding; dashboard/ids.py button_attrs), which the browser makes focusable and
+//    clicks on Enter or Space. The card around it carries the action for the mouse only (a click
+//    anywhere on it): it is no control (no role, no tab stop), since it holds toggles of its own.
 // 2. Opening a finding's "evidence" (or its folded consequences) must not also open its module;
 //    a consequence card inside the folded list opens its own module (what stays open: 3.).
-// Keyboard: Enter or Space on a focused clickable element acts like a click.
+// Keyboard: Enter or Space on a focused clickable element that is not a native control (the tree's
+// toggles and names, role="button") acts like a click.
 document.addEventListener("keydown", function (e) {
-  if ((e.key === "Enter" || e.key === " ") && e.target && e.target.getAttribute &&
-      e.target.getAttribute("data-action")) {
+  var t = e.target;
+  if ((e.key === "Enter" || e.key === " ") && t && t.getAttribute && t.getAttribute("data-action") &&
+      t.tagName !== "BUTTON" && t.tagName !== "A") {
     e.preventDefault();
-    e.target.click();
+    t.click();
   }
 });
 document.addEventListener("click", function (e) {
@@ -37,6 +43,8 @@ document.addEventListener("click", function (e) {
 //    those open. The whole set, not the one change: toggles faster than the server answers must not
 //    be lost (a change applied to the server's last known set would drop an earlier one still on its
 //    way). A <details> drawn open fires "toggle" too: a set equal to the last one sent is not sent.
+//    The Findings page's store lives in the tab's sessionStorage (dcc.Store storage_type="session"):
+//    the page built again after another page starts from it (dashboard/pages/findings.py).
 document.addEventListener("toggle", function (e) {
   var d = e.target;
   var key = d && d.getAttribute ? d.getAttribute("data-open-key") : null;
@@ -244,4 +252,99 @@ document.addEventListener("toggle", function (e) {
       return window.dash_clientside.no_update;
     }
   });
+})();
+
+// 5. What the user scrolled sideways in an evidence block (a <pre> of a <details data-open-key>) stays
+//    scrolled when it is drawn again: Dash draws the list (or the module's detail) anew on every poll
+//    while a run trains, and a new <pre> starts at 0. The position is kept per container store and key
+//    (the key the open <details> are kept by; the Findings page and a module's detail may show the same
+//    finding), in this page's memory (it survives going to another page of the dashboard and back, not a
+//    reload), and set on each <pre> drawn (or opened) again. No user scroll is lost to a redraw: the
+//    position is set as the new <pre> enters the document (a MutationObserver's callback runs before the
+//    browser's next scroll event), so the scroll event the browser then sends reports the kept one.
+(function () {
+  var kept = {};        // "<store> <key>" -> [scrollLeft, scrollTop]
+  var any = false;
+  var SEL = "[data-toggle-store] details[data-open-key] > pre";
+  function keyOf(pre) {
+    var d = pre.parentElement;
+    var box = d && d.closest ? d.closest("[data-toggle-store]") : null;
+    if (!box || !d.matches("details[data-open-key]")) { return null; }
+    return box.getAttribute("data-toggle-store") + " " + d.getAttribute("data-open-key");
+  }
+  document.addEventListener("scroll", function (e) {
+    var el = e.target;
+    if (!el || !el.matches || !el.matches(SEL)) { return; }
+    var key = keyOf(el);
+    if (key === null) { return; }
+    kept[key] = [el.scrollLeft, el.scrollTop];
+    any = true;
+  }, true);
+  // each <pre> once as it is drawn (open), or again when its <details> opens (``all``): reading and
+  // setting a scroll position lays the page out, not to be done on every change of the document
+  function restore(pres, all) {
+    for (var i = 0; i < pres.length; i++) {
+      var el = pres[i];
+      if ((el._modscopeSeen && !all) || !el.parentElement || !el.parentElement.open) { continue; }
+      el._modscopeSeen = true;                                          // (closed: nothing laid out yet)
+      var pos = kept[keyOf(el)];
+      if (!pos) { continue; }
+      if (el.scrollLeft !== pos[0]) { el.scrollLeft = pos[0]; }
+      if (el.scrollTop !== pos[1]) { el.scrollTop = pos[1]; }
+    }
+  }
+  function start() {
+    new MutationObserver(function () {
+      if (any) { restore(document.querySelectorAll(SEL), false); }
+    }).observe(document.body, {childList: true, subtree: true});
+  }
+  if (document.body) { start(); } else { document.addEventListener("DOMContentLoaded", start); }
+  // a <details> opened (by the user, or drawn open): its <pre> laid out now
+  document.addEventListener("toggle", function (e) {
+    var d = e.target;
+    if (any && d && d.open && d.matches && d.matches("details[data-open-key]")) {
+      restore(d.querySelectorAll(":scope > pre"), true);
+    }
+  }, true);
+})();
+
+// 6. The focus stays where it was when the element holding it is drawn again (the tree does its own,
+//    4.): a finding's button or a top finding (data-focus-key), the <summary> of an evidence or of the
+//    consequences (its <details>' data-open-key, in its container). Opening an evidence with Enter draws
+//    the list again, and so does every poll while a run trains: the keyboard user would be thrown back
+//    to <body>. The element focused last is remembered (by its key) until the focus moves elsewhere
+//    while it is still in the document; when the document changes and nothing holds the focus, the
+//    element drawn with the same key gets it back (without scrolling the page).
+(function () {
+  var want = null;
+  function focusKey(el) {
+    if (!el || !el.getAttribute) { return null; }
+    var k = el.getAttribute("data-focus-key");
+    if (k) { return "k " + k; }
+    var d = el.tagName === "SUMMARY" ? el.parentElement : null;
+    var box = d && d.getAttribute("data-open-key") ? d.closest("[data-toggle-store]") : null;
+    return box ? "s " + box.getAttribute("data-toggle-store") + " " + d.getAttribute("data-open-key") : null;
+  }
+  function find(key) {
+    var els = document.querySelectorAll("[data-focus-key], [data-toggle-store] details[data-open-key] > summary");
+    for (var i = 0; i < els.length; i++) { if (focusKey(els[i]) === key) { return els[i]; } }
+    return null;
+  }
+  document.addEventListener("focusin", function (e) { want = focusKey(e.target); });
+  document.addEventListener("focusout", function (e) {
+    var t = e.target;
+    setTimeout(function () {
+      // moved away by the user (still drawn): forget it; removed by a redraw: keep it for the new one
+      if (t.isConnected && document.activeElement !== t && want === focusKey(t)) { want = null; }
+    }, 0);
+  });
+  function start() {
+    new MutationObserver(function () {
+      var act = document.activeElement;
+      if (want === null || (act && act !== document.body)) { return; }
+      var el = find(want);
+      if (el) { el.focus({preventScroll: true}); }
+    }).observe(document.body, {childList: true, subtree: true});
+  }
+  if (document.body) { start(); } else { document.addEventListener("DOMContentLoaded", start); }
 })();

@@ -5,7 +5,7 @@ renders as text, never as HTML."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -14,6 +14,7 @@ from dash import html
 
 from probes.schema import FindingCode, ModuleKind, Severity, code_label, display_path
 
+from . import ids
 from .crossrank import format_ranks
 from .figures import fmt_count, fmt_num
 
@@ -100,8 +101,9 @@ def card(label: str, value: Any, sub: Any = None, cls: str = "") -> html.Div:
 
 
 def details_key(part: str, f: Mapping[str, Any]) -> str:
-    """What names a finding's ``<details>`` (``part``: "evidence" or "consequences") over redraws:
-    the part, the finding's code and its path."""
+    """What names a finding's ``<details>`` (``part``: "evidence" or "consequences") or control ("open",
+    "top": ``data-focus-key``, where assets/modscope.js puts the focus back) over redraws: the part, the
+    finding's code and its path."""
     return json.dumps([part, str(f.get("code") or ""), str(f.get("path") or "")], separators=(",", ":"))
 
 
@@ -176,21 +178,33 @@ def consequences_text(n: int) -> str:
     return f"{n} consequence{'' if n == 1 else 's'}"
 
 
-Attrs = Callable[[Mapping[str, Any]], dict[str, Any]]
-
-
-def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: Attrs | None = None,
+def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module: bool = False,
                  folded: bool = False, opened: Collection[str] | None = None, **attrs: Any) -> html.Div:
     """One finding: severity and code, path, the ranks it occurs on (``show_ranks``), how often and
     when it was seen, message, fix, evidence, and (a root cause) its consequences folded under it: "4
-    consequences", opened on demand. ``attrs`` (or ``attrs_of(f)``, also given each consequence) go to
-    the outer Div (e.g. click attributes); its class marks severity and resolved ones. A consequence
-    shown on its own (its cause is not listed) names its cause. With ``opened`` (keys of
-    :func:`details_key`) the evidence and the consequences are drawn as the user left them."""
-    own = dict(attrs_of(f)) if attrs_of is not None else {}
-    own.update(attrs)
+    consequences", opened on demand. ``attrs`` go to the outer Div; its class marks severity and
+    resolved ones. A consequence shown on its own (its cause is not listed) names its cause. With
+    ``opened`` (keys of :func:`details_key`) the evidence and the consequences are drawn as the user
+    left them.
+
+    With ``opens_module`` the finding (and each of its consequences) selects its module and opens the
+    Modules page: its path is a button that does it (the control the keyboard and assistive technology
+    reach, named "<code> at <path>: show this module"), and for the mouse a click anywhere else on the
+    card does it too. The card itself is no control: it holds the evidence and consequences toggles,
+    which must stay toggles of their own (interactive content inside a button is invalid ARIA)."""
     sev = severity_of(f["severity"])
-    cls = f"finding sev-border-{sev.value}" + ("" if f.get("active", 1) else " inactive")
+    path = display_path(f["path"])
+    mid = f.get("module_id")
+    module = int(mid) if opens_module and mid is not None else None      # the module a click opens
+    opens = module is not None
+    own: dict[str, Any] = {}
+    if module is not None:
+        own = {**ids.click_attrs(ids.ClickAction.OPEN, module), "title": f"show module {path}"}
+    elif opens_module:      # no module to open: a click on it does nothing (nor opens the card around it)
+        own = ids.click_attrs(ids.ClickAction.OPEN, -1)
+    own.update(attrs)
+    cls = f"finding sev-border-{sev.value}" + (" clickable" if opens else "") \
+        + ("" if f.get("active", 1) else " inactive")
     if "className" in own:
         cls = f"{own.pop('className')} {cls}"
     ranks = f.get("ranks") or []
@@ -198,7 +212,10 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: At
     cause = None if folded else cause_text(f)
     return html.Div([
         html.Div([severity_pill(sev, f["code"]),
-                  html.Span(display_path(f["path"]), className="mono path"),
+                  html.Button(path, className="mono path finding-open", **{"data-focus-key": details_key("open", f)},
+                              **ids.button_attrs(ids.ClickAction.OPEN, module,
+                                                 f"{f['code']} at {path}: show this module"))
+                  if module is not None else html.Span(path, className="mono path"),
                   html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
                   html.Span(format_ranks(ranks), className="badge ranks", title="ranks it occurs on")
                   if show_ranks and ranks else None,
@@ -208,7 +225,8 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, attrs_of: At
         html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
         evidence_block(f.get("evidence"), key=details_key("evidence", f), opened=opened),
         details([html.Summary(consequences_text(len(consequences)), className="consequences-toggle"),
-                 html.Div([finding_card(c, show_ranks=show_ranks, attrs_of=attrs_of, folded=True, opened=opened)
+                 html.Div([finding_card(c, show_ranks=show_ranks, opens_module=opens_module, folded=True,
+                                        opened=opened)
                            for c in consequences], className="consequences-list")],
                 "consequences", details_key("consequences", f), opened) if consequences else None,
     ], className=cls, **own)

@@ -61,8 +61,9 @@ FINDINGS_LIST = "findings-list"
 FINDINGS_SEVERITY = "findings-severity"
 FINDINGS_SHOW_RESOLVED = "findings-show-resolved"
 FINDINGS_OPEN = "findings-open"        # keys of the opened <details> (components.details_key), kept over redraws
-FINDINGS_TOGGLE = "findings-toggle"    # {"key", "open", "t"}: a <details> the user opened or closed
-                                       # (written by assets/modscope.js)
+FINDINGS_TOGGLE = "findings-toggle"    # {"keys", "t"}: the <details> open after the user's last toggle
+                                       # (written by assets/modscope.js; kept in the tab's sessionStorage:
+                                       # what was opened is drawn open again when the user comes back)
 
 # compare page
 CMP_SUMMARY = "cmp-summary"
@@ -88,14 +89,19 @@ class ClickAction(StrEnum):
     OPEN = "open"          # select a module and open the Modules page (a finding)
 
 
-def click_attrs(action: ClickAction, module_id: int | None, label: str | None = None) -> dict[str, str]:
-    """Attributes that make a component clickable (read by assets/modscope.js). With ``label`` (its
-    accessible name) it is also reachable and usable from the keyboard: focusable, a button, and
-    Enter or Space acts like a click (assets/modscope.js)."""
-    attrs = {"data-action": action.value, "data-mid": "" if module_id is None else str(module_id)}
-    if label is not None:
-        attrs.update({"tabIndex": "0", "role": "button", "aria-label": label})
-    return attrs
+def click_attrs(action: ClickAction, module_id: int | None) -> dict[str, str]:
+    """Attributes that make a click anywhere in a component do ``action`` (read by assets/modscope.js):
+    for the mouse only. Such a component is no control (no role, not focusable: it may hold toggles of
+    its own, and interactive content inside a button is invalid); the keyboard and assistive
+    technology reach the action through a control of its own, :func:`button_attrs`."""
+    return {"data-action": action.value, "data-mid": "" if module_id is None else str(module_id)}
+
+
+def button_attrs(action: ClickAction, module_id: int | None, label: str) -> dict[str, str]:
+    """Attributes of a native ``html.Button`` that does ``action``: its click goes the same way as
+    :func:`click_attrs`' (assets/modscope.js); the browser makes it focusable and clicks it on Enter or
+    Space. ``label``: its accessible name (it names the visible text too)."""
+    return {**click_attrs(action, module_id), "type": "button", "aria-label": label}
 
 
 def toggle_attrs(store: str) -> dict[str, str]:

@@ -1,22 +1,26 @@
 """Findings: every finding of the run once (merged over its ranks, with the ranks it occurs on and the
 findings only the comparison of ranks shows), root causes first with their consequences folded under
 them, sorted by severity, with message, evidence, fix, and how often and when each was seen.
-Clicking one selects its module and opens the Modules page.
+Each finding's path is a button that selects its module and opens the Modules page (a click anywhere
+else on the card does too; the evidence and the consequences are toggles of their own).
 
 While a run trains the list is drawn again on every poll (each finding's count and last step move
 on): the evidence and the consequences the user opened are kept in ``dcc.Store(ids.FINDINGS_OPEN)``
 (assets/modscope.js reports each toggle into ``ids.FINDINGS_TOGGLE``, the store the list names) and
-drawn open again (``components.toggled``; the Modules page keeps its module's detail the same way)."""
+drawn open again (``components.toggled``; the Modules page keeps its module's detail the same way).
+``ids.FINDINGS_TOGGLE`` lives in the tab's sessionStorage: the page is built anew each time the user
+comes back to it (Findings, Modules, Findings), and its restored value, an input of the list, draws
+open what was open (nothing is kept on the server)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from probes.schema import Severity, display_path
+from probes.schema import Severity
 
 from .. import ids
 from ..components import finding_card, message, severity_of, severity_pill, toggled
@@ -36,17 +40,8 @@ def layout(config: AppConfig) -> html.Div:
         ], className="findings-tools"),
         html.Div(id=ids.FINDINGS_LIST, className="findings-list", **ids.toggle_attrs(ids.FINDINGS_TOGGLE)),
         dcc.Store(id=ids.FINDINGS_OPEN, data=[]),
-        dcc.Store(id=ids.FINDINGS_TOGGLE, data=None),
+        dcc.Store(id=ids.FINDINGS_TOGGLE, data=None, storage_type="session"),
     ], className="panel findings-page")
-
-
-def open_attrs(f: Mapping[str, Any]) -> dict[str, Any]:
-    """A card's click opens its module (on the rank shown)."""
-    mid = f.get("module_id")
-    path = display_path(f["path"])
-    return {"title": f"show module {path}", "className": "clickable",
-            **ids.click_attrs(ids.ClickAction.OPEN, mid if mid is not None else -1,
-                              label=f"{f['code']} at {path}: show this module")}
 
 
 def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False,
@@ -65,7 +60,7 @@ def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show
                                           className="muted") if folded else None],
                                className="sev-row findings-summary")]
     for f in shown[:MAX_SHOWN]:
-        out.append(finding_card(f, show_ranks=show_ranks, attrs_of=open_attrs, opened=opened))
+        out.append(finding_card(f, show_ranks=show_ranks, opens_module=True, opened=opened))
     if len(shown) > MAX_SHOWN:
         out.append(message(f"first {MAX_SHOWN} of {len(shown):,} root causes shown: narrow by severity, or "
                            "filter the module tree by finding"))

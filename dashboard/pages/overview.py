@@ -14,7 +14,7 @@ from dash.exceptions import PreventUpdate
 from probes.schema import ModuleKind, Severity, display_path
 
 from .. import figures, ids
-from ..components import card, consequences_text, message, severity_pill, table
+from ..components import card, consequences_text, details_key, message, severity_pill, table
 from ..config import AppConfig
 from ..data import RunState
 from ..poll import Tick, callback, plural, reads_store, view_of
@@ -95,20 +95,27 @@ def _sampling(s: object) -> str:
 
 
 def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[Any]:
-    """The first root causes (each with how many consequences it explains)."""
+    """The first root causes (each with how many consequences it explains). Each is a button (nothing
+    interactive inside it) that selects its module and opens the Modules page; drawn again on every poll,
+    it keeps the focus (``data-focus-key``, assets/modscope.js)."""
     if not items:
         return [message("No active findings.", "ok")]
     out: list[Any] = []
     for f in items[:TOP_FINDINGS]:
         n = len(f.get("consequences") or [])
         path = display_path(f["path"])
-        out.append(html.Div([
-            severity_pill(f["severity"], f["code"]),
-            html.Div(path, className="mono path", title=path),
-            html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None,
-        ], **ids.click_attrs(ids.ClickAction.OPEN, f.get("module_id"),
-                             label=f"{f['code']} at {path}: show this module"),
-            className=f"top-finding clickable sev-border-{f['severity']}", title=f"show module {path}"))
+        mid = f.get("module_id")
+        parts = [severity_pill(f["severity"], f["code"]),
+                 html.Span(path, className="mono path", title=path),
+                 html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None]
+        cls = f"top-finding sev-border-{f['severity']}"
+        if mid is None:       # nothing to open
+            out.append(html.Div(parts, className=cls, title=path))
+            continue
+        label = f"{f['code']} at {path}" + (f", {consequences_text(n)}" if n else "") + ": show this module"
+        out.append(html.Button(parts, className=f"{cls} clickable", title=f"show module {path}",
+                               **{"data-focus-key": details_key("top", f)},
+                               **ids.button_attrs(ids.ClickAction.OPEN, int(mid), label)))
     total = len(items) if total is None else total
     if total > TOP_FINDINGS:
         out.append(dcc.Link(f"all {total:,} root causes →", href="/findings", className="more"))

@@ -122,7 +122,12 @@ def page(browser, server_factory):
     try:
         assert_console_clean(browser)
     finally:
-        browser.get("about:blank")
+        # what the page kept in the tab's sessionStorage (the open <details>) must not reach a later
+        # test's server on the same port (the same origin)
+        try:
+            browser.execute_script("try { sessionStorage.clear(); } catch (e) {}")
+        finally:
+            browser.get("about:blank")
 
 
 def console_errors(driver) -> list[dict]:
@@ -190,3 +195,32 @@ def demo_available() -> bool:
         return hasattr(probes, "watch")
     except ImportError:
         return False
+
+
+# Hand-made checks in the spirit of axe-core's "nested-interactive" and "button-name" rules, over the
+# elements under ``root``: a control (a button or link, native or by role) holds nothing interactive
+# (a screen reader reads a button's content as one flat name: a toggle inside it cannot be reached),
+# every control has a name, and every <summary> is a tab stop of its own.
+ARIA_PROBLEMS_JS = """
+const root = document.querySelector(arguments[0]);
+if (!root) { return ['no element ' + arguments[0]]; }
+const CONTROL = 'button, a[href], [role=button], [role=link]';
+const INTERACTIVE = 'a[href], button, input, select, textarea, details, summary, [tabindex], [contenteditable], '
+  + '[role=button], [role=link], [role=checkbox], [role=switch], [role=tab], [role=menuitem], [role=option]';
+const what = el => el.tagName.toLowerCase() + (el.id ? '#' + el.id : '')
+  + (el.className && typeof el.className === 'string' ? '.' + el.className.trim().split(/\\s+/).join('.') : '')
+  + (el.getAttribute('role') ? '[role=' + el.getAttribute('role') + ']' : '');
+const out = [];
+root.querySelectorAll(CONTROL).forEach(c => {
+  c.querySelectorAll(INTERACTIVE).forEach(x => out.push('nested-interactive: ' + what(x) + ' inside ' + what(c)));
+  const name = (c.getAttribute('aria-label') || c.textContent || '').trim();
+  if (!name) { out.push('no name: ' + what(c)); }
+});
+root.querySelectorAll('summary').forEach(s => { if (s.tabIndex < 0) { out.push('not a tab stop: ' + what(s)); } });
+return out;
+"""
+
+
+def aria_problems(driver, root: str = "body") -> list[str]:
+    """What :data:`ARIA_PROBLEMS_JS` finds under the element ``root`` (a CSS selector); [] when none."""
+    return driver.execute_script(ARIA_PROBLEMS_JS, root)

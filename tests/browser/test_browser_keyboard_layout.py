@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from browser_helpers import screenshot, wait_for, wait_text
+from browser_helpers import aria_problems, screenshot, wait_for, wait_text
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -73,23 +73,39 @@ def press(driver, key: str) -> None:
 
 # -- 1. findings open from the keyboard ------------------------------------------------------------------------
 def test_finding_cards_open_from_the_keyboard(page, server_factory, demo_store):
+    """A finding's path is a native button (the card around it is no control: it holds the evidence
+    toggle); Tab reaches the button, then the card's evidence; Enter on the evidence opens it in
+    place, Enter on the button opens the module."""
     srv = server_factory(["--snapshot", str(demo_store)])
     page.get(srv.url + "findings")
     wait_text(page, "unregistered-module", "#findings-list")
-    # Tab on from the last filter, the element before the cards
+    # Tab on from the last filter, the element before the cards: the first card's button, not the card
     page.execute_script("const i = document.querySelectorAll('.findings-tools input'); i[i.length - 1].focus()")
-    card = tab_until(page, ".finding[data-action='open']")
-    assert card.get_attribute("role") == "button" and card.get_attribute("tabindex") == "0"
-    path = card.find_element(By.CSS_SELECTOR, ".finding-head .path").text
-    assert path in card.get_attribute("aria-label")
-    # the card's evidence opens from the keyboard without leaving the page
-    tab_until(page, ".finding summary")
+    press(page, Keys.TAB)
+    button = active(page)
+    assert button.tag_name == "button" and button.get_attribute("data-action") == "open"
+    assert page.execute_script("return arguments[0].matches('#findings-list > .findings-summary + .finding "
+                               "> .finding-head > button.path')", button)
+    assert button.get_attribute("aria-label") == f"unregistered-module at {button.text}: show this module"
+    card = page.find_element(By.CSS_SELECTOR, "#findings-list > .finding")
+    assert card.get_attribute("role") is None and card.get_attribute("tabindex") is None
+    assert card.get_attribute("aria-label") is None
+    assert aria_problems(page, "#findings-list") == []       # no control holds another (nor a toggle)
+    # the card's evidence is the next tab stop, and opens from the keyboard without leaving the page
+    press(page, Keys.TAB)
+    assert page.execute_script("return document.activeElement.matches("
+                               "'#findings-list > .findings-summary + .finding > details.evidence-box > summary')")
     press(page, Keys.ENTER)
-    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".finding details[open] pre"), "evidence open")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".finding details[open][data-open='true'] pre"),
+             "evidence open (drawn again so)")
     assert page.current_url.endswith("/findings")
-    # Enter on a card opens its module, as a click does
-    path = page.execute_script("const c = document.querySelector(\".finding[data-action='open']\"); c.focus();"
-                               "return c.querySelector('.finding-head .path').textContent")
+    assert page.execute_script("return document.activeElement.matches('.finding details[open] > summary')")
+    press(page, Keys.ENTER)        # and closes again: the focus stayed on its toggle over the redraw
+    wait_for(page, lambda d: not d.find_elements(By.CSS_SELECTOR, ".finding details[open]"), "evidence closed")
+    assert page.current_url.endswith("/findings")
+    # Enter on a card's button opens its module, as a click does
+    path = page.execute_script("const b = document.querySelector('#findings-list > .finding button.path');"
+                               "b.focus(); return b.textContent")
     press(page, Keys.ENTER)
     wait_for(page, lambda d: d.current_url.endswith("/modules"), "the Modules page")
     wait_text(page, path.rsplit(".", 1)[0] if path.endswith((".weight", ".bias")) else path, "#detail-header h2")
@@ -100,9 +116,10 @@ def test_top_findings_open_from_the_keyboard(page, server_factory, demo_store):
     page.get(srv.url)
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#ov-top-findings .top-finding"), "top findings")
     row = tab_until(page, "#ov-top-findings .top-finding")
-    assert row.get_attribute("role") == "button"
+    assert row.tag_name == "button"           # a native button: nothing interactive inside it
     path = row.find_element(By.CSS_SELECTOR, ".path").text
     assert path in row.get_attribute("aria-label")
+    assert aria_problems(page, "#ov-top-findings") == []
     press(page, " ")
     wait_for(page, lambda d: d.current_url.endswith("/modules"), "the Modules page")
     wait_text(page, "encoder.blocks[", "#detail-header h2")

@@ -262,6 +262,66 @@ def test_findings_are_drawn_as_the_user_left_them(tmp_path):
     assert sum(is_open for is_open, _ in now.values()) == 2
 
 
+def test_findings_page_keeps_what_was_opened_in_the_tabs_session(demo_snapshot):
+    """The toggles' store lives in the tab's sessionStorage (the page is built anew after another page:
+    its restored value, an input of the list, draws open again what was); the list's own copy does not."""
+    from dash import dcc
+
+    from dashboard import ids
+    config = AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot))
+    stores = {c.id: c for c in findings_page.layout(config)._traverse() if isinstance(c, dcc.Store)}
+    assert stores[ids.FINDINGS_TOGGLE].storage_type == "session"
+    assert getattr(stores[ids.FINDINGS_OPEN], "storage_type", "memory") == "memory"
+
+
+def props_of(component) -> dict:
+    return component.to_plotly_json()["props"]
+
+
+def test_a_finding_opens_its_module_by_a_button_of_its_own(tmp_path):
+    """A finding card holds toggles (evidence, consequences): the card is no control (no role, no tab stop,
+    the mouse's click only); its path is the native button that opens the module, and so is each of its
+    consequences'. A finding without a module has no button, and a click on it opens nothing."""
+    from dash import html
+
+    from dashboard import ids
+    from dashboard.components import finding_card
+    path = tmp_path / "three" / "modscope.sqlite"
+    synth_store.three_layers(path)
+    items = RunDir.from_store(Store.open_snapshot(path)).run().folded_findings(active=True, rank=0)
+    cause = items[0]
+    card = findings_page.finding_list(items, ["error", "warning", "info"])[1]
+    cards = [c for c in card._traverse() if isinstance(c, html.Div) and "finding " in f"{c.className} "]
+    assert len(cards) == 4                                                # its consequences
+    for c, f in zip([card, *cards], [cause, *cause["consequences"]], strict=True):
+        own = props_of(c)
+        assert not {"role", "tabIndex", "aria-label"} & set(own) and own["data-action"] == ids.ClickAction.OPEN
+        [button] = [b for b in c.children[0].children if isinstance(b, html.Button)]
+        b = props_of(button)
+        assert (b["data-action"], b["data-mid"], b["type"]) == ("open", str(f["module_id"]), "button")
+        where = schema.display_path(f["path"])
+        assert button.children == where and b["aria-label"] == f"{f['code']} at {where}: show this module"
+        assert "finding-open" in b["className"] and b["data-focus-key"]
+    assert props_of(card)["data-mid"] == str(cause["module_id"])
+    # nothing inside a control: the buttons hold text only
+    assert all(isinstance(b.children, str) for b in card._traverse() if isinstance(b, html.Button))
+    # no module: no button, a click on it opens nothing (nor the card around it)
+    orphan = finding_card({**cause, "module_id": None, "consequences": []}, opens_module=True)
+    assert not [b for b in orphan._traverse() if isinstance(b, html.Button)]
+    assert props_of(orphan)["data-mid"] == "-1" and "clickable" not in orphan.className
+    # a module's detail (cards that open nothing): no click, no button
+    plain = finding_card(cause)
+    assert "data-action" not in props_of(plain) and not [b for b in plain._traverse() if isinstance(b, html.Button)]
+    # the Overview's top findings: each a button with nothing interactive inside
+    top = overview_page.top_findings(items)
+    assert [type(t) for t in top] == [html.Button] * 3
+    for t in top:
+        tp = props_of(t)
+        assert tp["data-action"] == "open" and tp["type"] == "button" and tp["data-focus-key"]
+        assert tp["aria-label"].endswith("4 consequences: show this module")
+        assert not [x for x in t._traverse() if isinstance(x, (html.Button, html.A, html.Details))]
+
+
 def test_module_detail_is_drawn_as_the_user_left_them(tmp_path):
     """The open module's detail is drawn again on every poll of a live run: the evidence the user opened
     in its findings is drawn open in the whole detail, in a poll's increment, and in the findings alone
