@@ -5,10 +5,11 @@ Definitions (also in README):
   when any of its values is non-zero. The *window* is the last ``window`` sampled steps (default 16).
   A unit is dead when it was not active in any call of the window.
 - dead-layer: >= 90% dead units, or the output is constant (std == 0) in every sample of the window;
-  dead-units: 25% to 90%. Both need at least ``MIN_SAMPLES`` calls of the module within the window, and either
-  a call in every sampled step of the window, or, for a module called in some of them only (a mixture-of-experts
-  expert the router did not pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few
-  inputs routed to a sometimes-skipped module do not show that a unit never activates.
+  dead-units: 25% to 90%; at the innermost module, not again at the wrappers returning its very output. Both
+  need at least ``MIN_SAMPLES`` calls of the module within the window, and either a call in every sampled step
+  of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
+  pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few inputs routed to a
+  sometimes-skipped module do not show that a unit never activates.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
   MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). An output layer (no
@@ -78,6 +79,11 @@ class _Node(Protocol):
     def parent_id(self) -> int | None: ...
 
 
+class _TensorNode(Protocol):
+    @property
+    def dtype(self) -> str: ...
+
+
 class ModelView(Protocol):
     """What the detectors read about the model (implemented by :class:`probes.model_index.ModelIndex`)."""
 
@@ -89,6 +95,8 @@ class ModelView(Protocol):
     def trained_tensors(self) -> frozenset[int]: ...
     @property
     def modules(self) -> Mapping[int, _Node]: ...              # module id -> its node (``parent_id``)
+    @property
+    def tensors(self) -> Mapping[int, _TensorNode]: ...        # tensor id -> its node (``dtype``)
 
     def has_module(self, module_id: int) -> bool: ...
     def module_path(self, module_id: int) -> str: ...
@@ -210,6 +218,7 @@ class DynamicDetectors:
         out: list[Finding] = []
         flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
         trained: frozenset[int] | None = None       # the modules owning trained tensors, made when needed
+        wrappers = self._wrappers((constant | dead_layer | dead_units).nonzero().flatten().tolist(), view)
         for mid in flagged:
             if not view.has_module(mid):
                 continue
@@ -220,7 +229,7 @@ class DynamicDetectors:
             last_std = _opt(w.last("std")[mid])
             ev = {"dead_fraction": _opt(dead[mid]), "window_samples": n, "zero_fraction": _opt(w.last("zero")[mid]),
                   "std": last_std, "type": typ}
-            if dead_judged is None:
+            if dead_judged is None or mid in wrappers:
                 pass
             elif constant[mid]:
                 out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step))
@@ -235,6 +244,29 @@ class DynamicDetectors:
                 output_layer = self._is_output_layer(mid, view, trained)
                 out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step,
                                               output_layer=output_layer))
+        return out
+
+    def _wrappers(self, mids: list[int], view: ModelView) -> set[int]:
+        """Those of ``mids`` that return the very output of a module of ``mids`` below them (a Sequential or a block
+        ending in its ReLU shares the ReLU's statistics): the finding is the innermost one's."""
+        if len(mids) < 2:
+            return set()
+        flagged = set(mids)
+        last = {f: self.modules.last(f) for f in ("dead", "numel", "std", "mean")}
+
+        def same(a: int, b: int) -> bool:
+            return all(bool(v[a] == v[b]) or bool(torch.isnan(v[a]) and torch.isnan(v[b])) for v in last.values())
+
+        out: set[int] = set()
+        for mid in mids:
+            node = view.modules.get(mid)
+            seen: set[int] = set()
+            while node is not None and node.parent_id is not None and node.parent_id not in seen:
+                parent = node.parent_id
+                seen.add(parent)
+                if parent in flagged and same(parent, mid):
+                    out.add(parent)
+                node = view.modules.get(parent)
         return out
 
     def _enough_for_dead(self, mid: int) -> int | None:
@@ -289,9 +321,11 @@ class DynamicDetectors:
             steps = [int(w.last("step", k)[tid]) for k in reversed(range(NOT_UPDATING_STEPS))]
             # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
             zero_lr = all(float(w.last("lr", k)[tid]) == 0.0 for k in range(NOT_UPDATING_STEPS))
+            node = view.tensors.get(tid)
             out.append(findings.not_updating(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
                                              view.tensor_in_optimizer(tid), step,
-                                             view.tensor_group(tid) if zero_lr else None))
+                                             view.tensor_group(tid) if zero_lr else None,
+                                             node.dtype if node is not None else None))
         return out
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:

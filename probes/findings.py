@@ -246,18 +246,30 @@ class NonFiniteOrigin:
 
 
 # ------------------------------------------------------------------------------------ parameters
+# significant bits of the low-precision floating types a parameter may be kept in
+_PRECISION_BITS = {"bfloat16": 8, "float16": 11}
+
+
 def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int,
-                 zero_lr_group: tuple[int, int] | None = None) -> Finding:
-    """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 in every one of ``steps``."""
+                 zero_lr_group: tuple[int, int] | None = None, dtype: str | None = None) -> Finding:
+    """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 in every one of ``steps``; ``dtype``: the
+    tensor's."""
     if zero_lr_group is not None:
         opt, group = zero_lr_group
         where = f"param group {group}" + (f" of optimizer {opt}" if opt else "")
         reason = f"its {where} has lr=0 in every one of them, so no optimizer step can move it"
     elif not in_optimizer:
         reason = "no watched optimizer holds it"
+    elif dtype in _PRECISION_BITS:
+        bits = _PRECISION_BITS[dtype]
+        reason = (f"the optimizer holds it, but it is {dtype}, whose {bits} significant bits round away an update "
+                  f"smaller than about 1/{2 ** bits:,} of a value: keep float32 master weights (train in float32 "
+                  "under autocast) or use a larger learning rate")
     else:
         reason = "the optimizer holds it but did not change it"
     evidence: dict[str, Any] = {"grad_norm": grad_norm, "steps": list(steps), "in_optimizer": in_optimizer}
+    if dtype is not None:
+        evidence["dtype"] = dtype
     if zero_lr_group is not None:
         evidence.update({"optimizer": zero_lr_group[0], "param_group": zero_lr_group[1], "lr": 0.0})
     return make(FindingCode.NOT_UPDATING, path,

@@ -123,6 +123,18 @@ def test_dead_units_of_an_expert_the_router_skips_on_some_steps(run_dir, dead, e
     assert f == [(expected, "experts.0.act")]
 
 
+def test_a_dead_layer_is_reported_at_the_relu_not_at_the_blocks_returning_its_output(run_dir):
+    block = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    with torch.no_grad():
+        block[0].bias.fill_(-100.0)
+    model = nn.Sequential(block, nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(64, 8), torch.randint(0, 2, (64,))))
+        f = [(g.code, g.path) for g in w.findings() if g.code.startswith("dead")]
+    assert f == [("dead-layer", "0.1")]
+
+
 def test_constant_output_is_a_dead_layer(run_dir):
     class Const(nn.Module):
         def forward(self, x):
@@ -475,6 +487,19 @@ class OneElementSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.view(-1)[1] -= group["lr"] * (p.grad.view(-1)[1] + 1.0)
+
+
+def test_bfloat16_weights_whose_updates_round_away_are_not_updating_and_say_why(run_dir):
+    """Pure bfloat16 training: AdamW's steps of about lr=1e-3 are below half the spacing of bfloat16 around a
+    LayerNorm's weight of 1 (2**-8): the weight never changes, and the finding says that precision is why."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(16, 8, dtype=torch.bfloat16), torch.randint(0, 2, (16,))))
+        f = {g.path: g for g in w.findings() if g.code == "not-updating"}
+    assert "1.weight" in f and "0.weight" not in f
+    assert f["1.weight"].evidence["dtype"] == "bfloat16" and "bfloat16" in f["1.weight"].message
+    assert "master weights" in f["1.weight"].message
 
 
 def test_an_update_the_sample_misses_is_still_seen(run_dir):
