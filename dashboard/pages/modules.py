@@ -7,7 +7,8 @@ capped result list instead of the tree.
 While a run trains the open module's detail is drawn again on every poll: the evidence and the
 consequences of its findings the user opened are kept in ``dcc.Store(ids.DETAIL_OPEN)`` (the detail
 panel names ``ids.DETAIL_TOGGLE``, into which assets/modscope.js reports each toggle) and drawn open
-again, as on the Findings page.
+again, as on the Findings page; ``ids.DETAIL_TOGGLE`` lives in the tab's sessionStorage, so that they are
+still open after another page and back.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def layout(config: AppConfig) -> html.Div:
             dcc.Store(id=ids.DETAIL_STATE, data=None),
             dcc.Store(id=ids.DETAIL_HEAT_STATE, data=None),
             dcc.Store(id=ids.DETAIL_OPEN, data=[]),
-            dcc.Store(id=ids.DETAIL_TOGGLE, data=None),
+            dcc.Store(id=ids.DETAIL_TOGGLE, data=None, storage_type="session"),
         ], className="panel detail-panel", **ids.toggle_attrs(ids.DETAIL_TOGGLE)),
     ], className="modules")
 

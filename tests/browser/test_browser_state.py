@@ -5,7 +5,8 @@ keyboard and a screen reader can use (a real headless Chromium against a real se
    button that opens its module, and the toggles stay tab stops of their own (no control holds anything
    interactive: axe's "nested-interactive", checked by hand), the focus staying on them over a redraw.
 2. An evidence block scrolled sideways stays scrolled when a poll draws it again.
-3. What the user opened on the Findings page is still open after going to another page and back."""
+3. What the user opened on the Findings page, or in a module's detail, is still open after going to another page
+   and back."""
 
 from __future__ import annotations
 
@@ -221,3 +222,22 @@ def test_opened_findings_stay_open_after_another_page(page, server_factory, thre
     click(page, ".nav-link", "Findings")
     wait_for(page, lambda d: is_open(d, evidence), "the evidence open again")
     assert not is_open(page, consequences)
+
+
+def test_opened_detail_findings_stay_open_after_another_page(page, server_factory, three_layers):
+    srv = server_factory(["--snapshot", str(three_layers)])
+    page.get(srv.url + "findings")
+    button = details_css("evidence", "unregistered-module", "encoder.blocks[2]")
+    wait_for(page, lambda d: d.execute_script("const x = document.querySelector(arguments[0]); return !!x && "
+                                              "x.closest('.finding').querySelector(':scope > .finding-head > "
+                                              "button.path').click() === undefined", button), "blocks[2]'s button")
+    wait_text(page, "encoder.blocks[2]", "#detail-header h2")
+    evidence = details_css("evidence", "unregistered-module", "encoder.blocks[2]", box="#detail-findings")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, f"{evidence} > summary"), "the detail's findings")
+    click(page, f"{evidence} > summary")
+    wait_for(page, lambda d: drawn_open(d, evidence), "the detail's evidence open")
+    click(page, ".nav-link", "Findings")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#findings-list .finding"), "the Findings page")
+    click(page, ".nav-link", "Modules")
+    wait_text(page, "encoder.blocks[2]", "#detail-header h2")
+    wait_for(page, lambda d: is_open(d, evidence), "the detail's evidence open again")
