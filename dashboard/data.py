@@ -789,6 +789,16 @@ class Store:
         rows = self._modules_where("rank = ? AND path = ?", (rank, path), order=self._current_first())
         return rows[0] if rows else None
 
+    def module_like(self, rank: int, path: str, removed_step: int | None) -> Row | None:
+        """Another rank's module at ``path`` in the same state: removed at ``removed_step`` too (ranks rebuild their
+        index at the same sampled steps), else :meth:`module_by_path`'s."""
+        if removed_step is not None:
+            rows = self._modules_where(f"rank = ? AND path = ? AND {self._column('modules', 'removed_step')} = ?",
+                                       (rank, path, removed_step), order="module_id DESC")
+            if rows:
+                return rows[0]
+        return self.module_by_path(rank, path)
+
     def module_for_path(self, rank: int, path: str) -> Row | None:
         """The module a finding path belongs to: the path itself or its longest module prefix."""
         for candidate in module_path_candidates(path):

@@ -496,8 +496,8 @@ class Run:
     # -- module detail ----------------------------------------------------------------------------
     def local_grad_norms(self, rank: int, module_id: int) -> Row:
         """The module's tensors' gradients before the all-reduce, one column per rank (the module found
-        by its path on every rank): ``{"ranks", "steps": {rank: step}, "rows": [{"name", "path",
-        "values": {rank: norm}}], "more_ranks"}``."""
+        by its path on every rank, removed at the same step if it was removed): ``{"ranks", "steps":
+        {rank: step}, "rows": [{"name", "path", "values": {rank: norm}}], "more_ranks"}``."""
         route = self.stores()
         m = route[rank].module(rank, module_id) if rank in route else None
         if m is None:
@@ -507,7 +507,7 @@ class Run:
         steps: dict[int, int | None] = {}
         for r in ranks:
             store = route[r]
-            mr = m if r == rank else store.module_by_path(r, m["path"])
+            mr = m if r == rank else store.module_like(r, m["path"], m.get("removed_step"))
             if mr is None:
                 continue
             for p in store.module_params(r, mr["module_id"]):

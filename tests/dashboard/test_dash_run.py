@@ -490,6 +490,24 @@ def test_module_detail_shows_local_gradient_norms_per_rank(tmp_path):
     assert modules_page.detail_full(one.run(), 0, 1).ranks is None
 
 
+def test_local_gradient_norms_of_a_removed_module_come_from_each_rank_s_removed_module(tmp_path):
+    synth_store.rank_run(tmp_path, "job", 4, 6)
+    for path in sorted(tmp_path.glob("modscope-job-rank*.sqlite")):      # every rank swapped the block at step 4
+        con = sqlite3.connect(path)
+        with con:
+            con.execute("UPDATE modules SET removed_step = 4 WHERE path = 'encoder.blocks.1'")
+            con.execute("INSERT INTO modules (rank, module_id, path, parent_id, name, type, type_module, kind, depth) "
+                        "SELECT rank, (SELECT MAX(module_id) + 1 FROM modules), path, parent_id, name, type, "
+                        "type_module, kind, depth FROM modules WHERE path = 'encoder.blocks.1'")
+        con.close()
+    run = source(tmp_path).run()
+    old = run.at(2).module_like(2, "encoder.blocks.1", 4)
+    assert old is not None and old["removed_step"] == 4
+    norms = run.local_grad_norms(2, old["module_id"])
+    assert [r["name"] for r in norms["rows"]] == ["weight", "bias"]
+    assert sorted(norms["rows"][0]["values"]) == [0, 1, 2, 3]      # not the new block's (it has no tensors yet)
+
+
 def test_read_tick_names_the_view(tmp_path):
     synth_store.several_runs(tmp_path, ("aaa", "bbb"), world_size=2)
     config = AppConfig(mode="live", store=source(tmp_path))
