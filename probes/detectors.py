@@ -77,6 +77,8 @@ class GradlessCandidate:
 class _Node(Protocol):
     @property
     def parent_id(self) -> int | None: ...
+    @property
+    def module(self) -> torch.nn.Module | None: ...
 
 
 class _TensorNode(Protocol):

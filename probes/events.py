@@ -10,7 +10,8 @@ there is evidence of the fix, or to the end of the run:
 - training-mode-mismatch: a module ran with a training flag other than the model's; fixed when it is seen
   again in step with the model in that mode.
 - forward-bypassed: a module's parameters got gradients in a step its ``__call__`` never ran in; fixed
-  when they get gradients in a step the module was called in.
+  when they get gradients in a step the module was called in. A module with no forward of its own (ParameterList,
+  ParameterDict, a holder of a mixture of experts' stacked weights) has none to bypass: never reported.
 - no-gradient: a trained tensor's module ran in the training forward of GRADLESS_SAMPLES sampled steps that trained
   its optimizer (a gradient reached another tensor it holds), and no gradient reached the tensor; fixed when one does.
 - non-finite: the origin of an episode of NaN/Inf values is the first module, in execution order, of the
@@ -30,6 +31,7 @@ from .detectors import BypassCandidate, GradlessCandidate, ModelView
 from .findings import Finding, NonFiniteOrigin
 from .schema import display_path
 from .sentinels import ForwardLog
+from .structure import has_no_forward
 
 
 @dataclasses.dataclass
@@ -148,6 +150,8 @@ class EventBook:
                 del self._mismatch[mid]                # in step with the model in that mode now
                 self.changed = True
         for c in ev.bypass:
+            if all(_holder(view, m) for m in c.module_ids):
+                continue                              # it has no forward to bypass: its parameters are read
             seen_b = self._bypass.get(c.tensor_id)
             if seen_b is None:
                 self._bypass[c.tensor_id] = (Occurrence(step, step), c.module_ids, c)
@@ -301,6 +305,12 @@ def _copy(value: object) -> object:
     if isinstance(value, Occurrence):
         return dataclasses.replace(value)
     return value
+
+
+def _holder(view: ModelView, module_id: int) -> bool:
+    """A module with no forward of its own (ParameterList, ParameterDict, a holder of stacked expert weights)."""
+    node = view.modules.get(module_id)
+    return node is not None and node.module is not None and has_no_forward(node.module)
 
 
 def _is_norm(type_name: str) -> bool:

@@ -103,6 +103,12 @@ def is_mode_sensitive(module: nn.Module) -> bool:
     return isinstance(module, _MODE_SENSITIVE)
 
 
+def has_no_forward(module: nn.Module) -> bool:
+    """A module whose class defines no forward (ParameterList, ParameterDict, a plain holder of a mixture of experts'
+    stacked weights): it cannot be called, only its parameters read."""
+    return getattr(type(module), "forward", None) is nn.Module.forward
+
+
 def saturation_kind(module: nn.Module) -> str | None:
     """'tanh' (tails |x| > 0.99), 'sigmoid' (x < 0.01 or x > 0.99) or None."""
     return _SATURATING.get(type(module).__name__)

@@ -94,6 +94,47 @@ def test_top_k_moe_whose_router_skips_experts(run_dir):
         assert all(bool((e.act(e.fc1(h)).amax(0) > 0).all()) for e in model.moe2.experts)
 
 
+class StackedExperts(nn.Module):
+    """The experts' weights stacked in one holder with no forward: the layer runs them in one batched product."""
+
+    def __init__(self, n=4, d=8, h=16):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n, h, d) * 0.1)
+
+
+class DenseMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = StackedExperts()
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(8)) for _ in range(2)])
+        self.shifts = nn.ParameterDict({"out": nn.Parameter(torch.zeros(8))})
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        gates = self.router(x).softmax(-1)
+        h = torch.einsum("bd,edh->beh", x, self.experts.w1).relu()
+        y = (torch.einsum("beh,ehd->bed", h, self.experts.w2) * gates[..., None]).sum(1)
+        return self.head(y * self.scales[0] + self.scales[1] + self.shifts["out"])
+
+
+def test_parameter_holders_read_by_their_parent(run_dir):
+    """A module with no forward (ParameterList, ParameterDict, a holder of stacked expert weights) is read, never
+    called: it was reported forward-bypassed (a warning each) before."""
+    model = DenseMoE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
 def _hf_moe(name):
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
