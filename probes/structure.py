@@ -96,8 +96,14 @@ def clean_path(path: str, wrapper_paths: frozenset[str] = frozenset()) -> str:
 
 
 def is_mode_sensitive(module: nn.Module) -> bool:
+    """A module whose computation depends on .training: BatchNorm, InstanceNorm tracking running statistics, and
+    dropout that drops something (p > 0: a Dropout(p=0), as LLM fine-tuning configures them all, computes the same in
+    both modes)."""
     if isinstance(module, nn.RNNBase):
         return bool(getattr(module, "dropout", 0.0))
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        p = getattr(module, "p", None)
+        return not isinstance(p, (int, float)) or p != 0
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return bool(getattr(module, "track_running_stats", False))
     return isinstance(module, _MODE_SENSITIVE)

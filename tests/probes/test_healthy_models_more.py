@@ -436,6 +436,51 @@ def test_dropout_heavy_model_validated_in_eval(run_dir):
         assert not w.probe_errors, w.probe_errors
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_rollouts_and_training_in_either_mode_with_dropout_at_zero(run_dir, p):
+    """Reinforcement learning from feedback samples rollouts under no_grad with the model in train mode, and some
+    trainers train in eval mode to turn dropout off: with every dropout at p=0 (as LLM fine-tuning configures them)
+    the modes compute the same, and neither was a finding to report (train-mode-under-no-grad, train-step-in-eval-mode,
+    warnings, before). At p=0.1 both still are."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(p), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(6):
+            with torch.no_grad():
+                model(torch.randn(16, 8))              # the rollout, in train mode
+            if step >= 3:
+                model.eval()                           # then trained in eval mode
+            loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            model.train()
+        found = {f.code for f in w.findings()}
+        assert not w.probe_errors, w.probe_errors
+    assert found == (set() if p == 0 else {"train-mode-under-no-grad", "train-step-in-eval-mode"})
+
+
+def test_gpt2_rollouts_in_train_mode_with_dropout_off(run_dir):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            with torch.no_grad():
+                ids = model.generate(torch.randint(1, 100, (2, 4)), max_new_tokens=4, do_sample=True, pad_token_id=0)
+            out = model(input_ids=ids, labels=ids)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
 # ----------------------------------------------------------------------------- a confident output layer
 def test_confident_multi_label_classifier_with_a_sigmoid_output(run_dir):
     """A multi-label classifier ending in nn.Sigmoid, trained with binary_cross_entropy until it is confident: its
