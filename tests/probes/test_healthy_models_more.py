@@ -170,7 +170,7 @@ def test_hugging_face_mixture_of_experts(name, run_dir):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(12):
+        for _ in range(6):
             ids = torch.randint(1, 100, (1, 3))
             out = model(input_ids=ids, labels=ids)
             opt.zero_grad()
@@ -193,7 +193,7 @@ def test_switch_transformers_experts_in_a_module_dict(run_dir):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(12):
+        for _ in range(6):
             out = model(input_ids=torch.randint(1, 100, (1, 4)), labels=torch.randint(1, 100, (1, 3)))
             opt.zero_grad()
             out.loss.backward()
@@ -265,7 +265,7 @@ def test_training_patterns_on_a_gpt(pattern, run_dir):
         else None
     micro = 4 if pattern == "accumulation" else 1
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(8):
+        for _ in range(4):
             for _ in range(micro):
                 x, y = gpt_batch()
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pattern == "bf16-autocast"):
