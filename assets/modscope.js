@@ -24,6 +24,10 @@ document.addEventListener("click", function (e) {
   var t = e.target;
   if (!t || !t.closest) { return; }
   var el = t.closest("[data-action]");
+  // a tree row is selected by a click anywhere on it (its type, badges, parameter count, the space
+  // between them: the row is highlighted under the pointer), not only on its name
+  var treeRow = !el && t.closest(".tree-row");
+  if (treeRow) { el = treeRow.querySelector(".tree-label[data-action]"); }
   if (!el || !window.dash_clientside || !window.dash_clientside.set_props) { return; }
   // a <details> inside the clicked element (evidence, the consequences' toggle) only opens and closes
   var d = t.closest("details");

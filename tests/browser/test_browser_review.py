@@ -1,0 +1,77 @@
+"""Browser tests from a review of the dashboard used as a user would (a real headless Chromium against a real
+server): a tree row selects its module by a click anywhere on it, and the header's "● LIVE" badge stays one badge
+in a narrow window."""
+
+from __future__ import annotations
+
+import pytest
+from browser_helpers import screenshot, wait_for, wait_text
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+
+from bench import synth_store
+from probes import schema
+
+pytestmark = pytest.mark.browser
+
+
+def selected_path(driver) -> str | None:
+    return driver.execute_script("const r = document.querySelector('#tree .tree-row.selected');"
+                                 "return r ? r.getAttribute('data-path') : null;")
+
+
+def test_a_click_anywhere_on_a_tree_row_selects_it(page, server_factory, tmp_path):
+    """The row is highlighted under the pointer: a click on its parameter count, its type or the space between
+    them selects the module, as a click on its name does (such a click used to do nothing)."""
+    path = tmp_path / "demo.sqlite"
+    synth_store.demo(path, steps=3)
+    srv = server_factory(["--snapshot", str(path)])
+    page.get(srv.url + "modules")
+    row = "#tree .tree-row[data-path='head']"
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, row), "the tree")
+    assert selected_path(page) is None
+    for part, path_ in ((".tree-params", "head"), (".tree-type", "stem")):
+        el = page.find_element(By.CSS_SELECTOR, f"#tree .tree-row[data-path='{path_}'] {part}")
+        el.click()
+        wait_for(page, lambda d, p=path_: selected_path(d) == p, f"{path_} selected by its {part}")
+        wait_text(page, path_, "#detail-header h2")
+    # the empty middle of a row: the pointer at its centre, which is no element inside it (the row is wide)
+    target = page.find_element(By.CSS_SELECTOR, row)
+    hit = page.execute_script("const r = arguments[0].getBoundingClientRect();"
+                              "const e = document.elementFromPoint(r.left + r.width * 0.6, r.top + r.height / 2);"
+                              "return e === arguments[0];", target)
+    assert hit, "the row's middle is the row itself"
+    ActionChains(page).move_to_element_with_offset(target, int(target.size["width"] * 0.1), 0).click().perform()
+    wait_for(page, lambda d: selected_path(d) == "head", "head selected by a click on its row's empty middle")
+    wait_text(page, "head", "#detail-header h2")
+    # the toggle still only expands and collapses
+    enc = "#tree .tree-row[data-path='encoder']"
+    was = page.find_element(By.CSS_SELECTOR, enc).get_attribute("aria-expanded")
+    page.find_element(By.CSS_SELECTOR, f"{enc} .tree-toggle").click()
+    wait_for(page, lambda d: d.find_element(By.CSS_SELECTOR, enc).get_attribute("aria-expanded") != was,
+             "encoder expanded or collapsed")
+    assert selected_path(page) == "head"
+    screenshot(page, "review-row-click")
+
+
+def test_the_live_badge_stays_one_badge_in_a_narrow_window(page, server_factory, tmp_path):
+    """At 900 px the header crowds: "● LIVE" broke into "●" over "LIVE" (a badge two lines high)."""
+    run = tmp_path / "run"
+    writer = synth_store.demo(run / schema.store_filename("r1", 0), steps=3, live=True)
+    size = page.get_window_size()
+    try:
+        srv = server_factory(["--run", str(run)])
+        page.set_window_size(900, 800)
+        page.get(srv.url + "findings")
+        badge = wait_for(page, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".header .mode-live")
+                                          if e.is_displayed()], "the live badge")[0]
+        wait_text(page, "step", ".header")
+        lines = page.execute_script(
+            "const el = arguments[0]; const lh = parseFloat(getComputedStyle(el).lineHeight)"
+            " || parseFloat(getComputedStyle(el).fontSize) * 1.5;"
+            "return el.getBoundingClientRect().height / lh;", badge)
+        screenshot(page, "review-header-900")
+        assert lines < 1.9, f"the live badge is {lines:.1f} lines high"
+    finally:
+        page.set_window_size(size["width"], size["height"])
+        writer.close()
