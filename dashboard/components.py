@@ -178,6 +178,16 @@ def consequences_text(n: int) -> str:
     return f"{n} consequence{'' if n == 1 else 's'}"
 
 
+def removed_badge(f: Mapping[str, Any]) -> html.Span | None:
+    """A finding about a module no longer part of the model (``module_removed_step``): "module removed at step N",
+    not "resolved" (the module left the model at that step: nothing was fixed)."""
+    step = f.get("module_removed_step")
+    if step is None:
+        return None
+    return html.Span(f"module removed at step {step}", className="badge kind-removed",
+                     title=f"its module was removed at step {step}: no longer part of the model")
+
+
 def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module: bool = False,
                  folded: bool = False, opened: Collection[str] | None = None, **attrs: Any) -> html.Div:
     """One finding: severity and code, path, the ranks it occurs on (``show_ranks``), how often and
@@ -216,7 +226,8 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module
                               **ids.button_attrs(ids.ClickAction.OPEN, module,
                                                  f"{f['code']} at {path}: show this module"))
                   if module is not None else html.Span(path, className="mono path"),
-                  html.Span("resolved", className="badge resolved") if not f.get("active", 1) else None,
+                  removed_badge(f) or (html.Span("resolved", className="badge resolved")
+                                        if not f.get("active", 1) else None),
                   html.Span(format_ranks(ranks), className="badge ranks", title="ranks it occurs on")
                   if show_ranks and ranks else None,
                   html.Span(seen_text(f), className="steps") if seen_text(f) else None], className="finding-head"),

@@ -913,8 +913,10 @@ class Store:
                  limit: int = MAX_FINDINGS) -> list[Row]:
         """Findings sorted by severity (error, warning, info), then path. Each has the columns of
         ``findings`` (``count``, ``cause_code``, ``cause_path`` read as 1, NULL, NULL in a version-1
-        store), ``evidence`` decoded, and the path of the module it is drawn on."""
-        sql = (f"SELECT {self._select('findings', self._FINDING_COLS, 'f')}, m.path AS module_path "
+        store), ``evidence`` decoded, the path of the module it is drawn on and, when that module is no longer part
+        of the model, the step it left at (``module_removed_step``, else None)."""
+        sql = (f"SELECT {self._select('findings', self._FINDING_COLS, 'f')}, m.path AS module_path, "
+               f"{self._column('modules', 'removed_step', 'm')} AS module_removed_step "
                "FROM findings f LEFT JOIN modules m ON m.rank = f.rank AND m.module_id = f.module_id "
                "WHERE f.rank = ?")
         params: list[Any] = [rank]

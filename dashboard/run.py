@@ -479,6 +479,7 @@ class Run:
             else:
                 m = found.get(f["path"])
                 f["module_id"], f["module_path"] = (m["module_id"], m["path"]) if m else (None, None)
+                f["module_removed_step"] = m.get("removed_step") if m else None
             f["run_id"] = run_id
             f.pop("module_ids", None)
             f.setdefault("cross_rank", False)

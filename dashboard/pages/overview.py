@@ -68,7 +68,8 @@ def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[htm
         card("Probe errors", figures.fmt_num(ov["probe_errors"]), "caught inside hooks",
              "bad" if ov["probe_errors"] else ""),
         card("Probe overhead", "–" if overhead is None else f"{overhead * 100:.2f}%", "of training time"),
-        card("Modules", f"{mods[ModuleKind.REGISTERED]:,}", f"{unreg:,} unregistered" if unreg else "all registered",
+        card("Modules", f"{mods[ModuleKind.REGISTERED]:,}", (f"{unreg:,} unregistered" if unreg else "all registered")
+             + (f" · {ov['modules_removed']:,} removed during the run" if ov.get("modules_removed") else ""),
              "bad" if unreg else ""),
         card("Parameters", figures.fmt_count(params.get("total")),
              f"{figures.fmt_count(params.get('in_optimizer'))} in optimizer"
