@@ -170,21 +170,22 @@ class DynamicDetectors:
         # per module call: the sampled step it was in (counted here) and its output's size, exactly
         self.calls = _Window(window, ("at", "numel"), torch.float64)
         self.samples = 0                    # sampled steps observed
-        self._order: dict[int, int] = {}   # module id -> execution order of its first call, latest sampled step
+        # the latest sampled step's modules and the execution order of their first calls (a dict made when needed)
+        self._latest: tuple[list[int], list[int]] = ([], [])
+        self._orders: dict[int, int] | None = None
         self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr"))
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
     def observe(self, m: ModuleColumns, t: TensorColumns) -> None:
         stats = dict(zip(MODULE_STATS, m.stats.to(torch.float32).T, strict=True))
+        numel = torch.tensor(m.numel, dtype=torch.float64)
         self.modules.observe(m.module_ids, {
             "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
-            "nonfinite": stats["nonfinite"], "numel": torch.tensor(m.numel, dtype=torch.float32),
-            "zero": stats["zero_frac"]})
-        n = len(m.module_ids)
-        self.calls.observe(m.module_ids, {"at": torch.full((n,), float(self.samples), dtype=torch.float64),
-                                          "numel": torch.tensor(m.numel, dtype=torch.float64)})
+            "nonfinite": stats["nonfinite"], "numel": numel.to(torch.float32), "zero": stats["zero_frac"]})
+        self.calls.observe(m.module_ids, {"at": torch.full((len(m.module_ids),), float(self.samples),
+                                                           dtype=torch.float64), "numel": numel})
         self.samples += 1
-        self._order = dict(zip(m.module_ids, m.order, strict=False))
+        self._latest, self._orders = (m.module_ids, m.order), None
         upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
         if upd:
             self.updates.observe(*_rows(t.tensor_ids, upd, {
@@ -297,7 +298,10 @@ class DynamicDetectors:
         """No module owning trained tensors (``trained``) ended its first call after the first call of ``mid`` in the
         latest sampled step, but the modules around it (a call ends after its children's): no trained layer runs
         on its output, which is the model's. A generator's final Tanh, which the discriminator runs on, is hidden."""
-        order = self._order.get(mid)
+        if self._orders is None:
+            self._orders = dict(zip(*self._latest, strict=False))
+        orders = self._orders
+        order = orders.get(mid)
         if order is None:
             return False
         ancestors = set()
@@ -305,7 +309,7 @@ class DynamicDetectors:
         while node is not None and node.parent_id is not None and node.parent_id not in ancestors:
             ancestors.add(node.parent_id)
             node = view.modules.get(node.parent_id)
-        return not any(self._order.get(m, -1) > order for m in trained if m not in ancestors)
+        return not any(orders.get(m, -1) > order for m in trained if m not in ancestors)
 
     def _not_updating(self, step: int, view: ModelView) -> list[Finding]:
         w = self.updates
