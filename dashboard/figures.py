@@ -23,6 +23,16 @@ Figure = dict[str, Any]     # {"data": [...], "layout": {...}}
 Series = Mapping[str, Any]  # plain data from dashboard.data: {"step": [...], <key>: [...]}
 
 
+# plotly.js's mode bar, the same on every chart: no logo, and no "Share chart..." (plotly.js 4's sendChartToCloud, which
+# uploads the chart's data, module statistics of the user's training, to Plotly Cloud; a tab stop of every chart too)
+REMOVED_MODEBAR_BUTTONS = ("sendChartToCloud",)
+
+
+def graph_config(**extra: Any) -> dict[str, Any]:
+    """The ``config`` of every chart (the pages' ``dcc.Graph`` and the report), plus ``extra``."""
+    return {"displaylogo": False, "modeBarButtonsToRemove": list(REMOVED_MODEBAR_BUTTONS), **extra}
+
+
 def plot_text(text: object) -> str:
     """Escape user text for plotly (which interprets <b>, <br>, <a> in labels)."""
     return html.escape("" if text is None else str(text), quote=True)

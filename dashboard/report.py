@@ -35,7 +35,7 @@ def esc(x: object) -> str:
 
 def _fig_html(fig: dict[str, Any], div_id: str) -> str:
     return str(pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, validate=False,
-                           config={"displaylogo": False, "responsive": True}))
+                           config=figures.graph_config(responsive=True)))
 
 
 def _css() -> str:

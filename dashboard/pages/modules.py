@@ -54,7 +54,7 @@ def shown() -> dict[str, Any]:
 
 
 def graph_config() -> dict[str, Any]:
-    return {"displaylogo": False, "displayModeBar": "hover"}
+    return figures.graph_config(displayModeBar="hover")
 
 
 # the series of the detail chart's traces, in order (figures.DETAIL_PANELS; the last only with gradients)

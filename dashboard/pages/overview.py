@@ -27,7 +27,7 @@ def layout(config: AppConfig) -> html.Div:
         html.Div(id=ids.OV_CARDS, className="cards"),
         html.Div(id=ids.OV_RANKS),
         html.Div([
-            html.Div([dcc.Graph(id=ids.OV_LOSS, config={"displaylogo": False, "displayModeBar": "hover"},
+            html.Div([dcc.Graph(id=ids.OV_LOSS, config=figures.graph_config(displayModeBar="hover"),
                                 figure=figures.empty_figure("Loading…"))], className="panel grow"),
             html.Div([html.H3("Top findings"), html.Div(id=ids.OV_TOP_FINDINGS)],
                      className="panel side"),

@@ -75,3 +75,34 @@ def test_the_live_badge_stays_one_badge_in_a_narrow_window(page, server_factory,
     finally:
         page.set_window_size(size["width"], size["height"])
         writer.close()
+
+
+SHARE_JS = """
+return Array.from(document.querySelectorAll('.modebar-btn')).map(b => b.getAttribute('data-title'));
+"""
+
+
+def test_no_chart_offers_to_upload_it_to_plotly_cloud(page, server_factory, tmp_path):
+    """plotly.js 4's mode bar has "Share chart...", which uploads the chart (a module's statistics of the user's
+    training) to Plotly Cloud: no chart of the dashboard (the Overview's loss, a module's charts) nor of the HTML
+    report offers it; the other buttons (zoom, PNG) stay."""
+    path = tmp_path / "demo.sqlite"
+    synth_store.demo(path, steps=5)
+    srv = server_factory(["--snapshot", str(path)])
+    page.get(srv.url)
+    loss = wait_for(page, lambda d: [t for t in d.execute_script(SHARE_JS) if t], "the loss chart's mode bar")
+    page.get(srv.url + "modules")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#tree .tree-row[data-path='head'] .tree-label"),
+             "the tree")
+    page.find_element(By.CSS_SELECTOR, "#tree .tree-row[data-path='head'] .tree-label").click()
+    wait_text(page, "head", "#detail-header h2")
+    detail = wait_for(page, lambda d: (t := [x for x in d.execute_script(SHARE_JS) if x]) and len(t) > len(loss) and t,
+                      "the detail charts' mode bars")
+    report = tmp_path / "report.html"
+    from dashboard.cli import main as cli_main
+    assert cli_main(["export", "--snapshot", str(path), "-o", str(report)]) in (0, None)
+    page.get(report.as_uri())
+    offline = wait_for(page, lambda d: [t for t in d.execute_script(SHARE_JS) if t], "the report's mode bars")
+    for where, titles in (("overview", loss), ("detail", detail), ("report", offline)):
+        assert "Share chart..." not in titles, where
+        assert "Download plot as a PNG" in titles, where
