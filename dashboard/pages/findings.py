@@ -10,7 +10,8 @@ on): the evidence and the consequences the user opened are kept in ``dcc.Store(i
 drawn open again (``components.toggled``; the Modules page keeps its module's detail the same way).
 ``ids.FINDINGS_TOGGLE`` lives in the tab's sessionStorage: the page is built anew each time the user
 comes back to it (Findings, Modules, Findings), and its restored value, an input of the list, draws
-open what was open (nothing is kept on the server)."""
+open what was open (nothing is kept on the server). The severity and "show resolved" filters are kept there
+too (Dash's persistence)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,18 @@ from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
 
 MAX_SHOWN = 300   # root-cause cards drawn at once (each is a handful of components)
+# the severity and "show resolved" filters are kept in the tab's sessionStorage, as what is opened is: after another
+# page and back, a resolved finding whose evidence the user opened is still shown, and open
+KEPT: dict[str, Any] = {"persistence": True, "persistence_type": "session"}
 
 
 def layout(config: AppConfig) -> html.Div:
     return html.Div([
         html.Div([
             dcc.Checklist(id=ids.FINDINGS_SEVERITY, options=[{"label": s.value, "value": s.value} for s in Severity],
-                          value=[s.value for s in Severity], inline=True, className="sev-check"),
+                          value=[s.value for s in Severity], inline=True, className="sev-check", **KEPT),
             dcc.Checklist(id=ids.FINDINGS_SHOW_RESOLVED, options=[{"label": "show resolved", "value": "yes"}],
-                          value=[], inline=True),
+                          value=[], inline=True, **KEPT),
         ], className="findings-tools"),
         html.Div(id=ids.FINDINGS_LIST, className="findings-list", **ids.toggle_attrs(ids.FINDINGS_TOGGLE)),
         dcc.Store(id=ids.FINDINGS_OPEN, data=[]),

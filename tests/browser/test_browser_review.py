@@ -5,7 +5,7 @@ in a narrow window."""
 from __future__ import annotations
 
 import pytest
-from browser_helpers import screenshot, wait_for, wait_text
+from browser_helpers import click, screenshot, wait_for, wait_text
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
@@ -106,3 +106,39 @@ def test_no_chart_offers_to_upload_it_to_plotly_cloud(page, server_factory, tmp_
     for where, titles in (("overview", loss), ("detail", detail), ("report", offline)):
         assert "Share chart..." not in titles, where
         assert "Download plot as a PNG" in titles, where
+
+
+def checked(driver, box: str) -> list[str]:
+    return driver.execute_script("return Array.from(document.querySelectorAll(arguments[0] + ' input:checked'))"
+                                 ".map(i => i.value)", box)
+
+
+def test_findings_filters_stay_as_set_after_another_page(page, server_factory, tmp_path):
+    """What is opened on the Findings page is kept over another page and back; the filters were not: "show
+    resolved" went off again, hiding the resolved finding whose evidence the user had opened. Both are kept now
+    (the tab's session), also over a reload."""
+    path = tmp_path / "demo.sqlite"
+    st = synth_store.demo(path, steps=3, live=True)
+    head = next(m["module_id"] for m in st.modules if m["path"] == "head")
+    st.add_finding("dead-units", "head", "warning", head, "half of head's units were dead", active=0)
+    st.close()
+    srv = server_factory(["--snapshot", str(path)])
+    page.get(srv.url + "findings")
+    wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#findings-list .finding"), "the findings")
+    assert "half of head's units" not in page.find_element(By.ID, "findings-list").text
+    page.find_element(By.XPATH, "//*[@id='findings-show-resolved']//label[contains(., 'show resolved')]").click()
+    page.find_element(By.XPATH, "//*[@id='findings-severity']//label[contains(., 'error')]").click()
+    wait_text(page, "half of head's units", "#findings-list")
+    wait_for(page, lambda d: "unregistered-module" not in d.find_element(By.ID, "findings-list").text,
+             "the errors filtered out")
+    for how in ("another page", "a reload"):
+        if how == "another page":
+            click(page, ".nav-link", "Modules")
+            wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".tree-row"), "the Modules page")
+            click(page, ".nav-link", "Findings")
+        else:
+            page.refresh()
+        wait_text(page, "half of head's units", "#findings-list")
+        assert checked(page, "#findings-show-resolved") == ["yes"], how
+        assert checked(page, "#findings-severity") == ["warning", "info"], how
+        assert "unregistered-module" not in page.find_element(By.ID, "findings-list").text, how
