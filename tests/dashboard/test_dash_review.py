@@ -43,3 +43,18 @@ def test_overview_counts_the_modules_removed_during_the_run(tmp_path):
     cards = _text(overview_page.overview_cards(ov))
     assert "all registered · 2 removed during the run" in cards
     st.close()
+
+
+def test_compare_summary_tells_apart_the_values_it_highlights():
+    """Compare highlighted "final loss 1.39 | 1.39" as changed (1.3874 and 1.3901): two values that differ are
+    shown with the digits that tell them apart; equal ones, and integers, as before."""
+    from dashboard.pages import compare as compare_page
+    cmp = {"a": {"path": "a"}, "b": {"path": "b"}, "summary": [
+        {"metric": "final loss", "a": 1.3874, "b": 1.3901, "changed": True},
+        {"metric": "last step", "a": 79, "b": 79, "changed": False},
+        {"metric": "held by optimizer", "a": 3712, "b": 3844, "changed": True},
+        {"metric": "std", "a": 0.25, "b": 0.25, "changed": False},
+        {"metric": "model class", "a": "Net", "b": "Net", "changed": False}]}
+    text = _text(compare_page.summary_table(cmp, ["before", "after"]))
+    assert "1.387 1.39" in text                      # the first digits that differ
+    assert "79 79" in text and "3,712 3,844" in text and "0.25 0.25" in text and "Net Net" in text
