@@ -129,6 +129,7 @@ class AutoWatch:
         self._order = itertools.count()
         self._done: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._left: dict[str, str] = {}          # run dir -> model class: models the script watches itself
         self._module_handles: list[RemovableHandle] = []
         self._warning_filter: Any = None
         self._opt_handle: RemovableHandle | None = None
@@ -172,8 +173,13 @@ class AutoWatch:
         for w in self.watchers:
             self._guarded(functools.partial(self._summarise, w))
         if not self.watchers and not any(a.watcher is not None for a in self.frameworks):
-            self._say("modscope: no model was watched (no torch.optim optimizer stepped with the "
-                      "parameters of an nn.Module)")
+            if self._left:                       # watched, by the script itself: where its findings are
+                for run_dir, name in self._left.items():
+                    self._say(f"modscope: {name} was watched by the script's own probes.watch() "
+                              f"(modscope findings --run {run_dir})")
+            else:
+                self._say("modscope: no model was watched (no torch.optim optimizer stepped with the "
+                          "parameters of an nn.Module)")
 
     def _summarise(self, w: Watcher) -> None:
         findings = w.findings()
@@ -243,9 +249,12 @@ class AutoWatch:
             self._note(f"modscope: {type(opt).__name__} steps parameters of {type(model).__name__}, which is "
                        "already watched with another optimizer: its parameters show as not in the optimizer")
             return
-        if watcher_of(model) is not None:
-            self._note(f"modscope: {type(unwrap(model)).__name__} is already watched by the script's own "
-                       "probes.watch(): left to it")
+        own = watcher_of(model)
+        if own is not None:
+            name = type(unwrap(model)).__name__
+            self._left.setdefault(str(own.run_dir), name)
+            self._note(f"modscope: {name} is already watched by the script's own probes.watch() "
+                       f"({own.run_dir}): left to it")
             return
         held = {id(p) for p in model.parameters()}
         group = [opt]

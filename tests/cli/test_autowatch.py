@@ -131,8 +131,14 @@ def test_a_model_the_script_watches_itself_is_left_to_it(aw, tmp_path):
             step(lambda: model(x), [opt], y)
         assert not own.closed and own.step_count == 4
     assert not aw.watchers
-    assert "modscope: Net is already watched by the script's own probes.watch(): left to it" in \
-        aw.test_out.getvalue()
+    assert f"modscope: Net is already watched by the script's own probes.watch() ({tmp_path / 'own'}): left to it" \
+        in aw.test_out.getvalue()
+    aw.close()
+    # the summary says where the findings are, not that no model was watched (the run dir it names is
+    # removed when empty: `modscope findings --run` on it found nothing)
+    last = aw.test_out.getvalue().splitlines()[-1]
+    assert last == ("modscope: Net was watched by the script's own probes.watch() "
+                    f"(modscope findings --run {tmp_path / 'own'})")
 
 
 def test_tensors_no_module_holds_are_noted_once(aw):
