@@ -9,7 +9,8 @@ Definitions (also in README):
   need at least ``MIN_SAMPLES`` calls of the module within the window, and either a call in every sampled step
   of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
   pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few inputs routed to a
-  sometimes-skipped module do not show that a unit never activates.
+  sometimes-skipped module do not show that a unit never activates. Never at a dropout module: its zeros are drawn
+  at random, and the units that die upstream are reported at the activation that kills them.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
   MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). An output layer (no
@@ -36,6 +37,7 @@ import torch
 from . import findings
 from .decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
 from .findings import Finding
+from .structure import drops_at_random
 
 DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
@@ -226,7 +228,7 @@ class DynamicDetectors:
             if not view.has_module(mid):
                 continue
             path, typ, n = view.module_path(mid), view.module_type(mid), int(samples[mid])
-            dead_judged = self._enough_for_dead(mid)
+            dead_judged = None if _drops_at_random(view, mid) else self._enough_for_dead(mid)
             if dead_judged is not None:
                 n = dead_judged
             last_std = _opt(w.last("std")[mid])
@@ -349,6 +351,13 @@ class DynamicDetectors:
                                                       [_opt(w.last("stale", k)[tid]) for k in ks],
                                                       [_opt(w.last("grad", k)[tid]) for k in ks], step))
         return out
+
+
+def _drops_at_random(view: ModelView, mid: int) -> bool:
+    """Dropout: its zeros are drawn at random (few rows make a unit look dead), and the units that die upstream are
+    reported at the activation that kills them."""
+    node = view.modules.get(mid)
+    return node is not None and node.module is not None and drops_at_random(node.module)
 
 
 def _opt(x: torch.Tensor) -> float | None:

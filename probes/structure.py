@@ -109,6 +109,15 @@ def is_mode_sensitive(module: nn.Module) -> bool:
     return isinstance(module, _MODE_SENSITIVE)
 
 
+# modules that zero whole samples at random in training, by class name (timm's DropPath, torchvision's StochasticDepth)
+_DROP_PATH = frozenset({"DropPath", "StochasticDepth"})
+
+
+def drops_at_random(module: nn.Module) -> bool:
+    """Dropout of any kind: the zeros of its output are drawn at random, not units that died."""
+    return isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ in _DROP_PATH
+
+
 def has_no_forward(module: nn.Module) -> bool:
     """A module whose class defines no forward (ParameterList, ParameterDict, a plain holder of a mixture of experts'
     stacked weights): it cannot be called, only its parameters read."""

@@ -135,6 +135,25 @@ def test_a_dead_layer_is_reported_at_the_relu_not_at_the_blocks_returning_its_ou
     assert f == [("dead-layer", "0.1")]
 
 
+def test_dead_units_are_reported_at_the_relu_never_at_the_dropout_after_it(run_dir):
+    """Half the ReLU's units are dead: found there. The Dropout after it zeroes more at random, and over a few small
+    batches a healthy unit's values are all dropped: dropout's zeros are no dead units (it was a dead-units warning,
+    at the Dropout, beside the ReLU's or alone)."""
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 2))
+    with torch.no_grad():
+        model[0].bias[:32] = -100.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, opt, w, 4, lambda: (torch.randn(64, 8), torch.randint(0, 2, (64,))))
+        f = [(g.code, g.path) for g in w.findings() if g.code.startswith("dead")]
+    assert f == [("dead-units", "1")]
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.9), nn.Linear(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir / "small", every=1) as w:
+        train(model, opt, w, 3, lambda: (torch.randn(4, 8), torch.randint(0, 2, (4,))))
+        assert w.findings() == []
+
+
 def test_constant_output_is_a_dead_layer(run_dir):
     class Const(nn.Module):
         def forward(self, x):
