@@ -32,6 +32,11 @@ document.addEventListener("click", function (e) {
   // a <details> inside the clicked element (evidence, the consequences' toggle) only opens and closes
   var d = t.closest("details");
   if (t.closest("summary") || (d && el.contains(d))) { return; }
+  // a finding opened from the keyboard (Enter or Space on its button: a click of detail 0) takes the focus to its
+  // module's row in the tree once it is drawn (section 4), not to <body> (the next Tab would start the page over)
+  if (el.getAttribute("data-action") === "open" && e.detail === 0) {
+    window._modscopeFocusOpened = {mid: el.getAttribute("data-mid"), until: Date.now() + 10000};
+  }
   window.dash_clientside.set_props("ui-click", {data: {
     action: el.getAttribute("data-action"),
     id: el.getAttribute("data-mid"),
@@ -120,12 +125,22 @@ document.addEventListener("toggle", function (e) {
   function highlight(box, selected) {
     var mid = selected && selected.module_id !== undefined && selected.module_id !== null
       ? String(selected.module_id) : null;
+    var opened = null;
     box.querySelectorAll(".tree-row").forEach(function (el) {
       var on = mid !== null && el.getAttribute("data-mid") === mid;
       el.classList.toggle("selected", on);
       el.setAttribute("aria-selected", on ? "true" : "false");
+      if (on) { opened = el; }
     });
     roving(box);
+    // the module of a finding opened from the keyboard (section 1): its row takes the focus when drawn selected
+    var want = window._modscopeFocusOpened;
+    if (want && Date.now() > want.until) { want = window._modscopeFocusOpened = null; }
+    if (want && opened && opened.getAttribute("data-mid") === want.mid) {
+      window._modscopeFocusOpened = null;
+      opened.focus({preventScroll: true});
+      opened.scrollIntoView({block: "nearest"});
+    }
   }
   // the one row with tabindex 0: the row focused last (box._modscopeFocus, while it is drawn),
   // else the selected row, else the first

@@ -8,6 +8,7 @@ import pytest
 from browser_helpers import click, screenshot, wait_for, wait_text
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 
 from bench import synth_store
 from probes import schema
@@ -142,3 +143,30 @@ def test_findings_filters_stay_as_set_after_another_page(page, server_factory, t
         assert checked(page, "#findings-show-resolved") == ["yes"], how
         assert checked(page, "#findings-severity") == ["warning", "info"], how
         assert "unregistered-module" not in page.find_element(By.ID, "findings-list").text, how
+
+
+FOCUSED_ROW_JS = """
+const a = document.activeElement;
+return a && a.matches('#tree .tree-row') ? [a.getAttribute('data-path'), a.getAttribute('aria-selected')] : null;
+"""
+
+
+def test_a_finding_opened_from_the_keyboard_puts_the_focus_on_its_module(page, server_factory, tmp_path):
+    """Enter on a finding's button (the Findings page) or Space on a top finding (the Overview) opened its module
+    and left the focus on <body>: the next Tab started the page over. The focus goes to the module's row in the
+    tree, selected, where the arrows and Tab go on."""
+    path = tmp_path / "three" / "modscope.sqlite"
+    synth_store.three_layers(path, steps=5)
+    srv = server_factory(["--snapshot", str(path)])
+    for url, button, key in (("findings", "#findings-list .finding button.finding-open", Keys.ENTER),
+                             ("", "#ov-top-findings button.top-finding", Keys.SPACE)):
+        page.get(srv.url + url)
+        b = wait_for(page, lambda d, b=button: d.find_elements(By.CSS_SELECTOR, b), f"a finding on /{url}")[0]
+        page.execute_script("arguments[0].focus()", b)
+        ActionChains(page).send_keys(key).perform()
+        wait_text(page, "encoder.blocks[0]", "#detail-header h2")
+        row = wait_for(page, lambda d: d.execute_script(FOCUSED_ROW_JS), "the focus on the module's row")
+        assert row == ["encoder.blocks[0]", "true"], (url, row)
+        ActionChains(page).send_keys(Keys.ARROW_UP).perform()        # the tree's keys work from there
+        wait_for(page, lambda d: (r := d.execute_script(FOCUSED_ROW_JS)) and r[0] == "encoder", "ArrowUp to encoder")
+        screenshot(page, f"review-keyboard-open-{url or 'overview'}")
