@@ -14,6 +14,7 @@ printed, and it is printed in a notebook too, for a front end that does not show
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import socket
@@ -24,9 +25,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["show", "stop_all"]
+__all__ = ["on_cell_end", "show", "stop_all"]
 
 START_TIMEOUT_S = 60.0        # how long show() waits for the dashboard to answer (a cold start imports Dash)
 DEFAULT_HEIGHT = 650
@@ -81,6 +83,31 @@ def stop_all() -> None:
 
 
 atexit.register(stop_all)
+
+
+def on_cell_end(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback`` after every cell the IPython shell of this process runs (its ``post_run_cell``
+    event), also after a cell that raised or was interrupted; returns the function that stops it, or None
+    outside IPython (IPython is never imported here: a script that has not imported it has no shell)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        shell = ipython.get_ipython()
+        if shell is None:
+            return None
+        events = shell.events
+
+        def after_cell(*args: object) -> None:
+            callback()
+        events.register("post_run_cell", after_cell)
+    except Exception:                    # an unusual shell: nothing to do after its cells
+        return None
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            events.unregister("post_run_cell", after_cell)
+    return stop
 
 
 def _free_port() -> int:

@@ -113,6 +113,10 @@ class Watcher:
             self._opt_handles.append(opt.register_step_post_hook(functools.partial(self._on_opt_post, oi)))
         self._atexit = _atexit_closer(self)
         atexit.register(self._atexit)
+        # in a notebook, a cell interrupted or failing inside a sampled step leaves that step open until the
+        # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
+        from .notebook import on_cell_end
+        self._cell_end = on_cell_end(_gc_resumer(self))
         if self._policy.should_sample(0):
             self._capture.arm(self._index)
 
@@ -216,6 +220,9 @@ class Watcher:
             self._store.close()
             with contextlib.suppress(Exception):
                 atexit.unregister(self._atexit)
+            if self._cell_end is not None:
+                self._cell_end()
+                self._cell_end = None
             self._optimizers = []
             self._index = ModelIndex.empty()
             self._activity.clear()
@@ -411,6 +418,16 @@ class Watcher:
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
                 *self._evaluator.tracker.rewrite_ops(step)]
+
+
+def _gc_resumer(watcher: Watcher) -> Callable[[], None]:
+    ref = weakref.ref(watcher)
+
+    def resume() -> None:
+        w = ref()
+        if w is not None:
+            w._probe.gc.resume()
+    return resume
 
 
 def _atexit_closer(watcher: Watcher) -> Callable[[], None]:
