@@ -170,3 +170,36 @@ def test_a_finding_opened_from_the_keyboard_puts_the_focus_on_its_module(page, s
         ActionChains(page).send_keys(Keys.ARROW_UP).perform()        # the tree's keys work from there
         wait_for(page, lambda d: (r := d.execute_script(FOCUSED_ROW_JS)) and r[0] == "encoder", "ArrowUp to encoder")
         screenshot(page, f"review-keyboard-open-{url or 'overview'}")
+
+
+OVERLAP_JS = """
+const s = document.getElementById('run-status').getBoundingClientRect();
+const a = document.querySelector('.header .header-actions').getBoundingClientRect();
+const vertical = s.bottom > a.top && s.top < a.bottom;
+return {overlap: vertical && s.right > a.left + 1 && s.left < a.right, right: s.right, actions: a.left,
+        text: document.getElementById('run-status').textContent};
+"""
+
+
+def test_a_long_status_does_not_run_under_the_export_buttons(page, server_factory, tmp_path):
+    """At 900 px "step 7 · ended without close (process gone)" ran on under "⤓ Snapshot" and "⤓ HTML report"
+    (text over the buttons): it wraps in the space it has."""
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run = tmp_path / "a-run-with-a-long-name"
+    writer = synth_store.demo(run / schema.store_filename("r1", 0), steps=8, live=True)
+    writer.set_rank(pid=gone.pid)
+    size = page.get_window_size()
+    try:
+        srv = server_factory(["--run", str(run)])
+        page.set_window_size(900, 800)
+        page.get(srv.url)
+        wait_text(page, "ended without close", "#run-status")
+        state = page.execute_script(OVERLAP_JS)
+        screenshot(page, "review-header-900-long-status")
+        assert not state["overlap"], state
+    finally:
+        page.set_window_size(size["width"], size["height"])
+        writer.conn.close()
