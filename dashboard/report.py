@@ -20,9 +20,9 @@ from probes.schema import ModuleKind, Severity, display_path
 
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
-from .data import REMOVED, Store
+from .data import REMOVED, Store, status_text
 from .paths import assets_dir
-from .run import Run, RunDir, as_run_dir, format_ranks
+from .run import Run, RunDir, as_run_dir, format_ranks, others_note
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8
@@ -190,6 +190,12 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
     rank = run.view_rank(rank)
     store = run.at(rank)
     ov = run.overview(rank)
+    # the writer's state as the dashboard's header says it (a run whose process is gone "ended without close", a
+    # snapshot "running when copied"), not the store's own word ("running" for as long as nobody closed it)
+    states = run.health().states
+    if rank in states:
+        note = others_note(states, rank)
+        ov["status"] = status_text(states[rank]) + (f" · {note}" if note else "")
     merged = run.findings_merged(active=True, rank=rank)
     roots = run.folded_findings(active=True, rank=rank)
     several = len(run.ranks()) > 1

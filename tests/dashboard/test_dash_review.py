@@ -58,3 +58,29 @@ def test_compare_summary_tells_apart_the_values_it_highlights():
     text = _text(compare_page.summary_table(cmp, ["before", "after"]))
     assert "1.387 1.39" in text                      # the first digits that differ
     assert "79 79" in text and "3,712 3,844" in text and "0.25 0.25" in text and "Net Net" in text
+
+
+def test_report_says_what_the_header_says_of_the_writer(tmp_path):
+    """The HTML report of a run whose training process is gone said "Status running" (the store's own word, as
+    nobody closed it) where the dashboard says "ended without close (process gone)"; a snapshot taken while it
+    ran says "running when copied" in both."""
+    import re
+    import subprocess
+    import sys
+
+    from bench import synth_store
+    from dashboard.report import build_report
+    from probes import schema
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run = tmp_path / "run"
+    st = synth_store.demo(run / schema.store_filename("r1", 0), steps=4, live=True)
+    st.set_rank(pid=gone.pid)
+
+    def status(html_text: str) -> list[str]:
+        return re.findall(r"<th>Status</th><td>([^<]*)</td>", html_text)
+    assert status(build_report(RunDir.open(run))) == ["ended without close (process gone)"]
+    snap = tmp_path / "snap.sqlite"
+    snap.write_bytes(RunDir.open(run).run().snapshot_bytes())
+    assert status(build_report(Store.open_snapshot(snap))) == ["running when copied"]
+    st.conn.close()
