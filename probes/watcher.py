@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import html
 import os
 import threading
 import time
@@ -36,7 +37,7 @@ from .records import Op
 from .rundir import RunFiles, interval_channel
 from .runtime_modules import RuntimeModules
 from .sampling import SamplingPolicy
-from .schema import RunStatus, StrEnum
+from .schema import RunStatus, StrEnum, display_path
 from .sentinels import RootSentinel
 from .session import StoreSession
 from .structural import structural_findings
@@ -167,13 +168,14 @@ class Watcher:
             raise TypeError(f"on_close needs a callable, got {type(callback).__qualname__}: {callback!r:.80}")
         self._on_close.append(callback)
 
-    def findings(self) -> list[Finding]:
+    def findings(self) -> FindingList:
         """The current findings, most severe first (the step in progress included: a validation pass after
-        the last optimizer step counts)."""
+        the last optimizer step counts). A list; a notebook shows it as a table of root causes, each with
+        its fix and the findings it explains."""
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
             self._preview_step()
-        return self._evaluator.active()
+        return FindingList(self._evaluator.active())
 
     def snapshot(self, path: str | os.PathLike[str]) -> str | Path:
         """Write a single-file snapshot (SQLite) of the run so far and return its path (a str when given a
@@ -418,6 +420,54 @@ class Watcher:
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
                 *self._evaluator.tracker.rewrite_ops(step)]
+
+
+class FindingList(list[Finding]):
+    """What :meth:`Watcher.findings` returns: a plain list of :class:`~probes.Finding`, that IPython and
+    Jupyter show as one entry per root cause (severity, code, path, message, fix) with the findings it
+    explains listed under it, instead of the dataclasses' repr (a wall of evidence dicts)."""
+
+    def _groups(self) -> list[tuple[Finding, list[Finding]]]:
+        keys = {f.key for f in self}
+        roots = [f for f in self if f.cause is None or tuple(f.cause) not in keys]
+        explained: dict[tuple[str, str], list[Finding]] = {}
+        for f in self:
+            if f.cause is not None and tuple(f.cause) in keys:
+                explained.setdefault((f.cause[0], f.cause[1]), []).append(f)
+        return [(r, explained.get(r.key, [])) for r in roots]
+
+    def _head(self) -> str:
+        if not self:
+            return "no findings"
+        counts = [(s, sum(1 for f in self if f.severity == s)) for s in ("error", "warning", "info")]
+        text = ", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts if n)
+        roots = len(self._groups())
+        return (f"{len(self)} finding{'s' if len(self) != 1 else ''} ({text}): "
+                f"{roots} root cause{'s' if roots != 1 else ''}")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        lines = [self._head()]
+        for root, consequences in self._groups():
+            lines.append(f"[{root.severity}] {root.code} at {display_path(root.path)}: {root.message}")
+            if root.fix:
+                lines.append(f"    fix: {root.fix}")
+            for c in consequences:
+                lines.append(f"    explains [{c.severity}] {c.code} at {display_path(c.path)}")
+        p.text("\n".join(lines))
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        rows = []
+        for root, consequences in self._groups():
+            explains = "".join(f"<li>{e(c.severity)} <code>{e(c.code)}</code> at <code>{e(display_path(c.path))}</code>"
+                               "</li>" for c in consequences)
+            rows.append(f"<tr><td>{e(root.severity)}</td><td><code>{e(root.code)}</code></td>"
+                        f"<td><code>{e(display_path(root.path))}</code></td><td>{e(root.message)}"
+                        + (f"<br><b>fix:</b> {e(root.fix)}" if root.fix else "")
+                        + (f"<br>explains:<ul>{explains}</ul>" if explains else "") + "</td></tr>")
+        table = ("<table><thead><tr><th>severity</th><th>code</th><th>path</th><th>finding</th></tr></thead>"
+                 f"<tbody>{''.join(rows)}</tbody></table>") if rows else ""
+        return f"<div><p>modscope: {e(self._head())}</p>{table}</div>"
 
 
 def _gc_resumer(watcher: Watcher) -> Callable[[], None]:
