@@ -512,6 +512,9 @@ def test_a_changed_model_is_read_as_it_is_now(swapped, runs, tmp_path):
     old_head, new_head = gone["head"], now["head"]
     assert old_head["module_id"] != new_head["module_id"] and new_head["first_step"] == SWAP_AT
     assert s.module_by_path(0, "head") == new_head and s.module_for_path(0, "head.weight") == new_head
+    # another rank's module in the same state: the one removed at that step, else the one there now
+    assert s.module_like(0, "head", SWAP_AT) == old_head and s.module_like(0, "head", None) == new_head
+    assert s.module_like(0, "head", SWAP_AT + 1) == new_head
     assert s.modules_for_paths(0, ["head.bias", "blocks.2"]) == {"head.bias": new_head, "blocks.2": gone["blocks.2"]}
     root = s.root()
     assert root["params_total"] == 16 * 8 + 16 + 2 * (16 * 16 + 16) + 16 * 2 + 2
