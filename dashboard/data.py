@@ -807,12 +807,15 @@ class Store:
                 return m
         return None
 
-    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN, *, also: int | None = None) -> Row:
+    def children(self, rank: int, parent_id: int, limit: int = MAX_CHILDREN, *,
+                 also: int | Iterable[int] | None = None) -> Row:
         """Children of one node that are part of the model now (registered first, in id order), and ``also``
-        (a module id) when it is a child no longer part of it (the one selected, drawn where it was); ``more``
-        counts the rest."""
-        where = f"rank = ? AND parent_id = ? AND ({self._current('modules')} OR module_id = ?)"
-        args = (rank, parent_id, -1 if also is None else also)
+        (a module id, or several: the one selected and its ancestors) when it is a child no longer part of it (the
+        one selected, drawn where it was, under its parent removed with it); ``more`` counts the rest."""
+        extra = [] if also is None else [also] if isinstance(also, int) else sorted({int(i) for i in also})[:256]
+        marks = ", ".join(["?"] * len(extra)) or "-1"
+        where = f"rank = ? AND parent_id = ? AND ({self._current('modules')} OR module_id IN ({marks}))"
+        args = (rank, parent_id, *extra)
         rows = self._modules_where(where, args, order=f"{self._current('modules')} DESC, module_id", limit=limit + 1)
         more = 0
         if len(rows) > limit:

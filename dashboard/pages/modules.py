@@ -143,6 +143,9 @@ def build_tree(store: Store, rank: int, expanded: list[int], selected: int | Non
     if root is None:
         return {"rows": [], "message": "No modules recorded yet."}, ""
     expanded_set = set(expanded)
+    # the selected module and its ancestors: a module removed with its parent (blocks.3.1 when blocks.3 was popped)
+    # is drawn under that parent, itself drawn where it was
+    also = [] if selected is None else [*store.ancestors(rank, selected), selected]
     inside = store.subtree_finding_counts(rank)
     stack = [root]
     nodes: list[dict[str, Any]] = []
@@ -151,7 +154,7 @@ def build_tree(store: Store, rank: int, expanded: list[int], selected: int | Non
         m = stack.pop()
         nodes.append(m)
         if m["module_id"] in expanded_set and m["n_children"]:
-            ch = store.children(rank, m["module_id"], MAX_CHILDREN, also=selected)
+            ch = store.children(rank, m["module_id"], MAX_CHILDREN, also=also)
             if ch["more"]:
                 more[display_path(m["path"])] = ch["more"]
             stack.extend(reversed(ch["items"]))

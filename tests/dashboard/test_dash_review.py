@@ -84,3 +84,26 @@ def test_report_says_what_the_header_says_of_the_writer(tmp_path):
     snap.write_bytes(RunDir.open(run).run().snapshot_bytes())
     assert status(build_report(Store.open_snapshot(snap))) == ["running when copied"]
     st.conn.close()
+
+
+def test_a_removed_module_under_a_removed_parent_is_drawn_where_it_was_when_selected(tmp_path):
+    """model.blocks.pop(3) removes blocks.3 and its ReLU blocks.3.1; the ReLU's dead-units finding opens it. The
+    head (its parent, the root, still there) was drawn where it was; the ReLU was not drawn at all (its parent
+    is no longer in the tree): 9 rows, none selected. It is drawn under its parent, itself drawn where it was."""
+    from dashboard.pages import modules as modules_page
+    st, ids = removed_store(tmp_path / "modscope.sqlite")
+    act = st.add_module("encoder.blocks.2.act", ids["encoder.blocks.2"], "act", "ReLU")
+    st.conn.execute("UPDATE modules SET removed_step = 10 WHERE module_id = ?", (act,))
+    st.conn.execute("UPDATE modules SET n_children = 1 WHERE module_id = ?", (ids["encoder.blocks.2"],))
+    st.commit()
+    s = Store.open_run(tmp_path)
+    expanded = [ids[""], ids["encoder"], ids["encoder.blocks"], ids["encoder.blocks.2"]]
+    data, _ = modules_page.build_tree(s, 0, expanded, act)
+    rows = [(r["path"], r["kind"], r["selected"]) for r in data["rows"]]
+    assert ("encoder.blocks.2", "removed", False) in rows and ("encoder.blocks.2.act", "removed", True) in rows
+    assert rows.index(("encoder.blocks.2.act", "removed", True)) == rows.index(("encoder.blocks.2", "removed",
+                                                                                False)) + 1
+    # another selection: neither is drawn (the model as it is now)
+    data, _ = modules_page.build_tree(s, 0, expanded, ids["stem"])
+    assert not [r for r in data["rows"] if r["kind"] == "removed"]
+    st.close()
