@@ -105,25 +105,44 @@ def format_json(findings: Sequence[dict[str, Any]]) -> str:
 
 
 def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
-    """One block per finding (severity, code, path, ranks and steps; the message; the fix), after a
-    one-line count."""
+    """One block per root cause (severity, code, path, ranks and steps; the message; the fix), with one line
+    per finding it explains under it (the layers of a plain list do not update *because* they are
+    unregistered: the fix is the cause's), after a one-line count."""
     counts = {level: sum(1 for f in findings if f["severity"] == level) for level in LEVELS}
     runs = sorted({f["run"] for f in findings})
+    keys = {(f["run"], f["code"], f["path"]) for f in findings}
+
+    def cause_key(f: Mapping[str, Any]) -> tuple[str, str, str] | None:
+        c = f.get("cause")
+        key = (f["run"], c["code"], c["path"] or "") if c else None
+        return key if key in keys else None
+    explained: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for f in findings:
+        if (key := cause_key(f)) is not None:
+            explained.setdefault(key, []).append(dict(f))
+    roots = [f for f in findings if cause_key(f) is None]
     head = ", ".join(f"{n} {level}{'s' if n != 1 and level != 'info' else ''}" for level, n in counts.items())
+    if len(roots) != len(findings):
+        head += f" ({len(roots)} root cause{'s' if len(roots) != 1 else ''})"
     lines = [f"{where}: {head}" + (f" in {len(runs)} runs" if len(runs) > 1 else "")]
     if not findings:
         lines[0] = f"{where}: no active findings"
-    for f in findings:
+
+    def span(f: Mapping[str, Any]) -> str:
         steps = f["steps"]
-        span = "" if steps["first"] is None else (
+        return "" if steps["first"] is None else (
             f"step {steps['first']}" if steps["first"] == steps["last"] else f"steps {steps['first']}-{steps['last']}")
+    for f in roots:
         ranks = f"rank{'s' if len(f['ranks']) > 1 else ''} {','.join(str(r) for r in f['ranks'])}"
         where_run = f"run {f['run']}, " if len(runs) > 1 else ""
         lines.append(f"{f['severity']:<8}{f['code']}  {display_path(f['path'])}  ({where_run}{ranks}"
-                     f"{', ' + span if span else ''})")
+                     f"{', ' + span(f) if span(f) else ''})")
         lines.append(f"        {f['message']}")
-        if f.get("cause"):
+        if f.get("cause"):           # its cause is not active any more
             lines.append(f"        caused by: {f['cause']['code']} at {display_path(f['cause']['path'] or '')}")
         if f.get("fix"):
             lines.append(f"        fix: {f['fix']}")
+        for c in explained.get((f["run"], f["code"], f["path"]), []):
+            lines.append(f"        explains: {c['severity']} {c['code']}  {display_path(c['path'])}"
+                         f"{'  (' + span(c) + ')' if span(c) else ''}")
     return "\n".join(lines)
