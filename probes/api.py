@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -21,6 +22,11 @@ from .watcher import Boundaries, Watcher
 # watcher at a time. Re-running a notebook cell that calls watch() must not leave the first watcher's hooks on
 # the model, doubling the cost and writing two runs of one training.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watcher]] = weakref.WeakKeyDictionary()
+# the watcher a notebook cell's top-level code opened, by the cell's code position, with the cell's execution
+# count: a cell run again that builds a new model (the model's cell run again too, "Run All") watches another
+# model, and the watcher it opened before, on a model nobody trains any more, would stay open (its thread, its
+# store "running") until the kernel exits
+_CELL_WATCHERS: dict[tuple[str, int], tuple[weakref.ref[Watcher], object]] = {}
 
 
 def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
@@ -74,11 +80,51 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
     if not os.access(run_dir, os.W_OK):
         raise ValueError(f"run_dir {str(run_dir)!r} is not writable")
     close_previous_watcher(model)
+    site = _notebook_cell_site()
+    if site is not None:
+        close_cell_watcher(*site)
     watcher = Watcher(model, optimizers, run_dir, run_id=run_id, every=every,
                       overhead=None if every else float(overhead), window=window, rank=rank, world_size=world_size,
                       run_name=run_name or run_dir.name, boundaries=Boundaries(boundaries))
     _WATCHED[unwrap(model)] = weakref.ref(watcher)
+    if site is not None:
+        _CELL_WATCHERS[site[0]] = (weakref.ref(watcher), site[1])
     return watcher
+
+
+def _notebook_cell_site() -> tuple[tuple[str, int], object] | None:
+    """((file, line), execution count) of a watch() called by the top-level code of an IPython cell (or of a
+    script IPython's %run runs); None elsewhere. IPython is never imported here."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        shell = ipython.get_ipython()
+        if shell is None:
+            return None
+        frame = sys._getframe(2)                      # watch()'s caller
+        if frame.f_code.co_name != "<module>":       # inside a function: called as often as the code wants
+            return None
+        return (frame.f_code.co_filename, frame.f_lineno), shell.execution_count
+    except Exception:
+        return None
+
+
+def close_cell_watcher(position: tuple[str, int], execution_count: object) -> None:
+    """Close the watcher the same cell code opened in an earlier run of the cell, with a warning naming its run."""
+    entry = _CELL_WATCHERS.pop(position, None)
+    if entry is None:
+        return
+    previous = entry[0]()
+    if previous is None or previous.closed:
+        return
+    if entry[1] == execution_count:                   # the same run of the cell: a loop watching several models
+        _CELL_WATCHERS[position] = entry
+        return
+    warnings.warn(f"modscope: this cell ran probes.watch() again: the watcher it opened before (run "
+                  f"{previous.run_id!r}, {previous.store_path}) is now closed (close a watcher with w.close() or "
+                  "`with probes.watch(...)`)", stacklevel=3)
+    previous.close()
 
 
 def watcher_of(model: nn.Module) -> Watcher | None:
