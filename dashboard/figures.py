@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import itertools
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,9 +66,11 @@ def _base(title: str | None, height: int, uirevision: object) -> dict[str, Any]:
 
 
 def empty_figure(message: str, height: int = 240) -> Figure:
+    """A chart that says ``message`` instead (wrapped: a plotly annotation is one line, cut at the chart's edges)."""
     layout = _base(None, height, "empty")
+    text = "<br>".join(plot_text(line) for line in textwrap.wrap(message, 44) or [""])
     layout.update(xaxis={"visible": False}, yaxis={"visible": False}, hovermode=False,
-                  annotations=[{"text": plot_text(message), "showarrow": False,
+                  annotations=[{"text": text, "showarrow": False,
                                 "font": {"size": 13, "color": "#6b7280"},
                                 "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5}])
     return {"data": [], "layout": layout}
@@ -145,14 +148,15 @@ DETAIL_PANELS = (
 )
 
 
-def detail_series_figure(series: Series, uirevision: object, height: int = 700) -> Figure:
+def detail_series_figure(series: Series, uirevision: object, height: int = 700, *,
+                         empty: str = "No activation samples for this module yet.") -> Figure:
     """The module detail's three line charts (activation mean/std, dead/saturated/zero fractions,
     output grad norm) as one figure of three panels sharing the step axis: one plotly draw
     instead of three. Traces in DETAIL_PANELS order; the grad trace only when there are
     gradients (otherwise its panel says why)."""
     steps = series.get("step") or []
     if not steps:
-        return empty_figure("No activation samples for this module yet.", height)
+        return empty_figure(empty, height)
     layout = _base(None, height, uirevision)
     layout["margin"] = {"l": 52, "r": 28, "t": 32, "b": 40}
     layout["xaxis"] = _axis(anchor="y3")
@@ -205,11 +209,12 @@ def bin_labels(edges: Sequence[float]) -> list[str]:
     return labels
 
 
-def heatmap_figure(hist: Series, uirevision: object, height: int = 300) -> Figure:
+def heatmap_figure(hist: Series, uirevision: object, height: int = 300, *,
+                   empty: str = "No activation histograms for this module yet.") -> Figure:
     """Histogram over time: x = step, y = activation bin, colour = share of values."""
     steps, counts = hist.get("step") or [], hist.get("counts") or []
     if not steps:
-        return empty_figure("No activation histograms for this module yet.", height)
+        return empty_figure(empty, height)
     nbins = max(len(c) for c in counts)
     labels = bin_labels(hist.get("edges") or [])
     if len(labels) != nbins:

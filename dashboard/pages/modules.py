@@ -370,6 +370,21 @@ def detail_cleared() -> DetailOutputs:
                          None, None)
 
 
+def inside_torchscript(store: Store, rank: int, m: Mapping[str, Any]) -> str | None:
+    """The path of the TorchScript module ``m`` runs inside (its parent is a ScriptModule: its forward runs in
+    TorchScript, where no hook sees it, so it never has samples of its own), else None."""
+    parent = store.module(rank, m["parent_id"]) if m.get("parent_id") is not None else None
+    if parent is not None and str(parent.get("type") or "").endswith("ScriptModule"):
+        return display_path(parent["path"])
+    return None
+
+
+def no_samples_text(where: str | None, what: str = "activation samples") -> str:
+    if where is None:
+        return f"No {what} for this module yet."
+    return f"No {what}: it runs inside the TorchScript module {where}, where no hook sees it ({where} has them)."
+
+
 def detail_full(run: Run, rank: int, mid: int, opened: Collection[str] = frozenset()) -> DetailOutputs:
     """The module's detail drawn whole (``opened``: the keys of the <details> drawn open)."""
     store = run.at(rank)
@@ -384,7 +399,8 @@ def detail_full(run: Run, rank: int, mid: int, opened: Collection[str] = frozens
         detail_header(m, own, params),
         findings_section(module_findings(run, rank, mid), show_ranks=several, opened=opened),
         shown(),
-        figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}"),
+        figures.detail_series_figure(series, f"{run.key}-{rank}-{mid}",
+                                     empty=no_samples_text(inside_torchscript(store, rank, m))),
         params_table(params, store.optimizer_count(rank)),
         ranks_table(run.local_grad_norms(rank, mid)) if several else None,
         {"view": [run.key, rank], "rank": rank, "module_id": mid, "last": series["last"],
@@ -554,5 +570,8 @@ def register(app: Dash, config: AppConfig) -> None:
         run = source.run(run_key or None)
         mid = int(state["module_id"])
         key = f"{run.key}-{rank}-{mid}"
-        return heat_update(figures.heatmap_figure(
-            run.at(int(rank)).module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS), key), key, drawn)
+        store = run.at(int(rank))
+        hist = store.module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS)
+        m = store.module(int(rank), mid) if not hist.get("step") else None
+        empty = no_samples_text(inside_torchscript(store, int(rank), m) if m else None, "activation histograms")
+        return heat_update(figures.heatmap_figure(hist, key, empty=empty), key, drawn)

@@ -107,3 +107,26 @@ def test_a_removed_module_under_a_removed_parent_is_drawn_where_it_was_when_sele
     data, _ = modules_page.build_tree(s, 0, expanded, ids["stem"])
     assert not [r for r in data["rows"] if r["kind"] == "removed"]
     st.close()
+
+
+def test_a_module_inside_torchscript_says_why_it_has_no_samples(tmp_path):
+    """A TorchScript submodule's children run in TorchScript (no hook sees them): on a closed run their detail
+    said "No activation samples for this module yet." as if they would come. It says where they run; a module
+    not called yet still says "yet"."""
+    from bench import synth_store
+    from dashboard.pages import modules as modules_page
+    path = tmp_path / "modscope.sqlite"
+    st = synth_store.demo(path, steps=3, live=True)
+    root = st.modules[0]["module_id"]
+    scripted = st.add_module("scripted", root, "scripted", "RecursiveScriptModule", params=32, relu=False)
+    fc = st.add_module("scripted.fc", scripted, "fc", "RecursiveScriptModule", params=32, relu=False)
+    idle = st.add_module("idle", root, "idle", "Linear", params=4, relu=False)
+    st.commit()
+    st.close()
+    run = RunDir.from_store(Store.open_snapshot(path)).run()
+
+    def chart_text(mid: int) -> str:
+        fig = modules_page.detail_full(run, 0, mid).chart
+        return " ".join(a["text"] for a in fig["layout"].get("annotations", [])).replace("<br>", " ")
+    assert "inside the TorchScript module scripted" in chart_text(fc)
+    assert chart_text(idle) == "No activation samples for this module yet."
