@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import decode, records
+from . import decode, findings, records
 from .capture import StepRecord
 from .causes import assign_causes
 from .decode import ModuleColumns, TensorColumns, Values
@@ -23,6 +23,7 @@ from .events import EventBook, SampledEvents
 from .findings import Finding
 from .model_index import ModelIndex
 from .records import Op
+from .schema import FindingCode, Severity
 from .sentinels import ForwardLog
 from .structure import ModuleNode
 from .tracker import FindingTracker
@@ -38,6 +39,11 @@ class DecodedStep:
     tensors: TensorColumns
 
 
+# sampled training steps (an optimizer stepped, a gradient reached the model) with no gradient reaching a parameter
+# no optimizer holds before it is called frozen in effect
+UNREACHED_SAMPLES = 2
+
+
 class Evaluator:
     def __init__(self, rank: int, window: int) -> None:
         self.rank = rank
@@ -47,6 +53,9 @@ class Evaluator:
         self.static: list[Finding] = []           # what the structure walk shows
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
         self._moved: dict[int, int] = {}
+        # tensors a gradient reached in any sampled training step, and how many such steps were seen
+        self._reached: set[int] = set()
+        self._training_samples = 0
 
     def active(self) -> list[Finding]:
         return self.tracker.active()
@@ -77,6 +86,9 @@ class Evaluator:
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
         self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
+        if rec.optimizer_stepped and rec.arrived:
+            self._reached |= rec.arrived
+            self._training_samples += 1
         return self.publish(step, index, runtime, sampled=True)
 
     # ------------------------------------------------------------------------------ every step
@@ -96,9 +108,26 @@ class Evaluator:
         """Findings now: structure, run-time modules, the detectors' last view and the events, each consequence
         naming its cause; the store operations that record the difference."""
         book = events or self.events
-        current = assign_causes([*self.static, *runtime, *self.dynamic, *book.findings(index)])
+        current = assign_causes([*self._static_now(index), *runtime, *self.dynamic, *book.findings(index)])
         book.changed = False
         return self.tracker.update(step, current, index, sampled)
+
+    def _static_now(self, index: ModelIndex) -> list[Finding]:
+        """The structure's findings, with what the sampled steps add: a parameter no optimizer holds that no
+        gradient reached in UNREACHED_SAMPLES sampled training steps is frozen in effect (an info)."""
+        if self._training_samples < UNREACHED_SAMPLES:
+            return self.static
+        ids: dict[str, int] | None = None
+        out = []
+        for found in self.static:
+            if found.code == FindingCode.NOT_IN_OPTIMIZER and found.severity == Severity.ERROR:
+                if ids is None:             # made only when the model has such a parameter
+                    ids = {t.path: t.param_id for t in index.structure.tensors}
+                tid = ids.get(found.path)
+                if tid is not None and tid not in self._reached:
+                    found = findings.not_in_optimizer_unreached(found, self._training_samples)  # noqa: PLW2901
+            out.append(found)
+        return out
 
     def preview(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], index: ModelIndex,
                 runtime: Sequence[Finding]) -> list[Op]:

@@ -126,6 +126,21 @@ def not_in_optimizer(path: str, shape: list[int] | None, numel: int, step: int |
                 "zero_grad() never clears it.", evidence={"shape": shape, "numel": numel}, step=step)
 
 
+def not_in_optimizer_unreached(found: Finding, samples: int) -> Finding:
+    """``not-in-optimizer`` of a tensor no gradient reached in ``samples`` sampled training steps: it runs under
+    no_grad or detached (a frozen feature extractor, a target network, a teacher), so nothing trains it and
+    nothing accumulates in it; an info (an error again once a gradient reaches it)."""
+    path = found.path
+    return dataclasses.replace(
+        found, severity=str(Severity.INFO),
+        message=f"{path} requires grad and no param group of the watched optimizer(s) holds it, but no gradient "
+                f"has reached it in any sampled training step (it runs under no_grad or detached: a frozen feature "
+                "extractor, a target network, a teacher): nothing trains it, as intended if it is frozen.",
+        fix="Say it is frozen: requires_grad_(False) on it (or on its module). If it should train, the graph to "
+            "the loss is cut (a .detach() or torch.no_grad()), and the optimizer must hold it too.",
+        evidence={**found.evidence, "gradient_reached": False, "sampled_training_steps": samples})
+
+
 def shared_parameter(path: str, aliases: Sequence[str], shape: list[int] | None, step: int | None) -> Finding:
     return make(FindingCode.SHARED_PARAMETER, path,
                 f"{path} is the same Parameter as {', '.join(aliases)} (tied weights).",

@@ -1,0 +1,72 @@
+"""A parameter that requires grad, that no optimizer holds and that no gradient reaches (a teacher or a frozen
+feature extractor run under ``torch.no_grad()``, its ``requires_grad`` left True) is frozen in effect: an info,
+not the ``not-in-optimizer`` error, whose message ("its gradient is computed") would be false. A gradient that
+reaches it makes it the error again, and the bug the error is for (a head swapped after the optimizer was
+built) stays an error from the start."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from helpers import by_code
+
+import probes
+
+
+class Distill(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))    # requires_grad left True
+        self.student = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.teach_with_grad = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.set_grad_enabled(self.teach_with_grad):
+            target = self.teacher(x)
+        return self.student(x), target
+
+
+def step(model: Distill, opt: torch.optim.Optimizer, w) -> None:
+    student, target = model(torch.randn(8, 16))
+    loss = (student - target).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    w.step(loss)
+
+
+def severities(w, prefix: str) -> set[str]:
+    return {f.severity for f in by_code(w.findings()).get("not-in-optimizer", []) if f.path.startswith(prefix)}
+
+
+def test_a_teacher_run_under_no_grad_is_frozen_in_effect_until_a_gradient_reaches_it(run_dir):
+    model = Distill()
+    opt = torch.optim.AdamW(model.student.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        step(model, opt, w)
+        assert severities(w, "teacher.") == {"error"}                # one step does not show it yet
+        for _ in range(2):
+            step(model, opt, w)
+        assert severities(w, "teacher.") == {"info"}
+        (first, *_) = [f for f in w.findings() if f.path == "teacher.0.weight"]
+        assert "no gradient has reached it" in first.message and "requires_grad_(False)" in first.fix
+        assert first.evidence["gradient_reached"] is False and first.evidence["sampled_training_steps"] == 3
+        model.teach_with_grad = True                                 # now the loss trains through it: the bug
+        step(model, opt, w)
+        assert severities(w, "teacher.") == {"error"}
+        model.teach_with_grad = False
+        for _ in range(3):
+            step(model, opt, w)
+        assert severities(w, "teacher.") == {"error"}                # once reached, it is no frozen copy
+
+
+def test_a_head_swapped_after_the_optimizer_stays_an_error(run_dir):
+    model = Distill()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        step(model, opt, w)
+        model.student[2] = nn.Linear(8, 4)
+        for _ in range(4):
+            step(model, opt, w)
+        assert severities(w, "student.2.") == {"error"}
+        assert severities(w, "teacher.") == set()
