@@ -46,9 +46,11 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
         sub = node.module
         modes = sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)})
         owner = modules[node.parent_id].path if node.parent_id is not None else ""
-        out.append(findings.unregistered_module(node.path, node.type, sum(1 for _ in sub.parameters()),
-                                                node.params_total, owner, modes,
-                                                subtree_has_state_or_modes(sub), step))
+        params = list(sub.parameters())
+        frozen_only = bool(params) and not modes and not any(p.requires_grad for p in params) \
+            and next(iter(sub.buffers()), None) is None
+        out.append(findings.unregistered_module(node.path, node.type, len(params), node.params_total, owner, modes,
+                                                subtree_has_state_or_modes(sub), step, frozen_only=frozen_only))
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED
         if t.kind == TensorKind.TENSOR and owner_kind == ModuleKind.REGISTERED:

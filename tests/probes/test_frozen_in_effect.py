@@ -70,3 +70,50 @@ def test_a_head_swapped_after_the_optimizer_stays_an_error(run_dir):
             step(model, opt, w)
         assert severities(w, "student.2.") == {"error"}
         assert severities(w, "teacher.") == set()
+
+
+class FrozenBaseInAList(nn.Module):
+    """LoRA-style: the frozen base layers kept in a plain list (out of state_dict), trainable adapters registered;
+    ``norm``: a BatchNorm beside them in a list too (its running statistics and mode are missed: still an error)."""
+
+    def __init__(self, with_norm: bool = False) -> None:
+        super().__init__()
+        self.base = [nn.Linear(16, 16) for _ in range(2)]
+        for layer in self.base:
+            layer.requires_grad_(False)
+        self.norms = [nn.BatchNorm1d(16)] if with_norm else []
+        self.adapters = nn.ModuleList([nn.Sequential(nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False))
+                                       for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, adapter in zip(self.base, self.adapters, strict=True):
+            x = torch.relu(base(x) + adapter(x))
+        for norm in self.norms:
+            x = norm(x)
+        return x
+
+
+def test_a_frozen_base_kept_unregistered_is_a_warning_that_says_what_it_misses(run_dir):
+    model = FrozenBaseInAList()
+    opt = torch.optim.AdamW(model.adapters.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            out = model(torch.randn(8, 16))
+            opt.zero_grad()
+            out.pow(2).mean().backward()
+            opt.step()
+        found = {f.path: f for f in by_code(w.findings())["unregistered-module"]}
+    assert set(found) == {"base[0]", "base[1]"}
+    assert {f.severity for f in found.values()} == {"warning"}
+    message = found["base[0]"].message
+    assert "all frozen" in message and "state_dict()" in message and "get gradients" not in message
+    assert found["base[0]"].evidence["frozen_only"] is True
+
+
+def test_unregistered_blocks_that_train_or_hold_state_stay_errors():
+    model = FrozenBaseInAList(with_norm=True)
+    model.base[1].requires_grad_(True)                                    # trains, but no optimizer can hold it
+    found = {f.path: f for f in by_code(probes.audit(model))["unregistered-module"]}
+    assert {p: f.severity for p, f in found.items()} == {"base[0]": "warning", "base[1]": "error",
+                                                         "norms[0]": "error"}
+    assert "get gradients" in found["base[1]"].message and "frozen_only" not in found["base[1]"].evidence
