@@ -19,7 +19,9 @@ Definitions (also in README):
 - not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
   (more than a numerically zero one) and its value did not change.
 - grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
-  already held one when the new gradient arrived.
+  already held one when the new gradient arrived. When that is so of (nearly, NEVER_ZEROED) every tensor an
+  optimizer holds that got gradients, its gradients are never zeroed (zero_grad() forgotten): one finding at the
+  root for them, none per tensor.
 
 The windows are ring buffers indexed by module (and tensor) id, so a sampled step of a model with 15,000
 modules costs a few vector operations, and only the modules a rule flags cost Python.
@@ -48,6 +50,9 @@ MIN_SAMPLES = 3
 SPARSE_ROWS = 64
 NOT_UPDATING_STEPS = 2
 ACCUMULATING_STEPS = 2
+# the share of the tensors an optimizer holds (of those that got gradients) whose gradient accumulates beyond which
+# its gradients are never zeroed (zero_grad() forgotten): one finding at the root for all of them
+NEVER_ZEROED = 0.9
 # a gradient below this fraction of the tensor's norm is numerically zero (a bias before BatchNorm): no
 # optimizer step is expected to move the tensor by it
 NEGLIGIBLE_GRAD = 1e-6
@@ -101,6 +106,8 @@ class ModelView(Protocol):
     def modules(self) -> Mapping[int, _Node]: ...              # module id -> its node (``parent_id``)
     @property
     def tensors(self) -> Mapping[int, _TensorNode]: ...        # tensor id -> its node (``dtype``)
+    @property
+    def n_optimizers(self) -> int: ...
 
     def has_module(self, module_id: int) -> bool: ...
     def module_path(self, module_id: int) -> str: ...
@@ -337,19 +344,46 @@ class DynamicDetectors:
         return out
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
+        """Tensors whose .grad held the previous gradient when the next arrived. When (nearly, NEVER_ZEROED) every
+        tensor an optimizer holds that got gradients does, nothing zeroes its gradients (zero_grad() forgotten): one
+        finding at the root for them; a tensor no optimizer holds (nothing zeroes it) has its own."""
         w = self.arrivals
         if not w.count.numel():
             return []
-        rule = w.count >= ACCUMULATING_STEPS
+        judged = w.count >= ACCUMULATING_STEPS
+        rule = judged.clone()
         for k in range(ACCUMULATING_STEPS):
             rule &= w.last("stale", k) > 0
+        flagged = [t for t in rule.nonzero().flatten().tolist() if view.tensor_known(t)]
+        if not flagged:
+            return []
+        held: dict[int, list[int]] = {}          # optimizer -> its tensors that accumulate
+        opt_of: dict[int, int | None] = {}
+        for tid in flagged:
+            group = view.tensor_group(tid)
+            opt_of[tid] = group[0] if group is not None else None
+            if group is not None:
+                held.setdefault(group[0], []).append(tid)
+        never_zeroed: dict[int, int] = {}        # optimizer -> its tensors that got gradients in as many steps
+        if held:
+            totals = {o: len(tids) for o, tids in held.items()}
+            for tid in (judged & ~rule).nonzero().flatten().tolist():     # few: most accumulate, or none is held
+                if view.tensor_known(tid) and (group := view.tensor_group(tid)) is not None and group[0] in totals:
+                    totals[group[0]] += 1
+            never_zeroed = {o: n for o, n in totals.items() if len(held[o]) >= NEVER_ZEROED * n}
         out = []
-        for tid in rule.nonzero().flatten().tolist():
-            if view.tensor_known(tid):
-                ks = list(reversed(range(ACCUMULATING_STEPS)))
-                out.append(findings.grad_accumulating(view.tensor_path(tid),
-                                                      [_opt(w.last("stale", k)[tid]) for k in ks],
-                                                      [_opt(w.last("grad", k)[tid]) for k in ks], step))
+        ks = list(reversed(range(ACCUMULATING_STEPS)))
+        for tid in flagged:
+            opt = opt_of[tid]
+            if opt is not None and opt in never_zeroed:
+                continue                         # the root finding says it
+            out.append(findings.grad_accumulating(view.tensor_path(tid), [_opt(w.last("stale", k)[tid]) for k in ks],
+                                                  [_opt(w.last("grad", k)[tid]) for k in ks], step, opt))
+        if never_zeroed:
+            opts = sorted(never_zeroed)
+            out.append(findings.gradients_never_zeroed(
+                opts, max(view.n_optimizers, len(opts)), [view.tensor_path(t) for o in opts for t in held[o]],
+                sum(never_zeroed.values()), step))
         return out
 
 

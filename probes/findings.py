@@ -68,10 +68,12 @@ class Finding:
 
 def make(code: str, path: str, message: str, evidence: dict[str, Any] | None = None,
          severity: str | None = None, step: int | None = None, cause: tuple[str, str] | None = None,
-         first_step: int | None = None, count: int = 1) -> Finding:
+         first_step: int | None = None, count: int = 1, fix: str | None = None) -> Finding:
+    """``fix``: this finding's own, when the code's (schema.CODES) does not fit the case."""
     info = CODE_INFO[code]
     return Finding(code=str(code), severity=str(severity or info.severity), path=path, message=message,
-                   evidence=evidence or {}, fix=info.fix, step=step, cause=cause, first_step=first_step, count=count)
+                   evidence=evidence or {}, fix=fix or info.fix, step=step, cause=cause, first_step=first_step,
+                   count=count)
 
 
 def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
@@ -306,12 +308,55 @@ def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer
 
 
 def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms: Sequence[float | None],
-                      step: int) -> Finding:
+                      step: int, optimizer: int | None = None) -> Finding:
+    """``optimizer``: the watched optimizer holding the tensor (None: none does). A tensor no optimizer holds grows a
+    buffer nobody uses; one an optimizer holds is stepped with the growing sum."""
+    evidence: dict[str, Any] = {"stale_grad_norms": list(stale_norms), "grad_norms": list(grad_norms)}
+    before = f"norm before the new one: {stale_norms[-1]:.3g}"
+    if optimizer is None:
+        return make(FindingCode.GRAD_ACCUMULATING, path,
+                    f"{path}.grad was not zeroed between steps: each backward adds to the previous gradient "
+                    f"({before}), so it grows for the whole run and holds a gradient buffer nobody uses (no watched "
+                    "optimizer holds the tensor, so optimizer.zero_grad() never reaches it).",
+                    evidence={**evidence, "in_optimizer": False}, step=step,
+                    fix="Register the tensor (nn.Parameter in a registered module, nn.ModuleList) and give it to the "
+                        "optimizer, so that optimizer.zero_grad() reaches it; or zero it yourself every step "
+                        "(model.zero_grad()).")
     return make(FindingCode.GRAD_ACCUMULATING, path,
-                f"{path}.grad was not zeroed between steps: each backward adds to the previous gradient (norm "
-                f"before the new one: {stale_norms[-1]:.3g}), so it grows for the whole run and holds a "
-                "gradient buffer nobody uses.",
-                evidence={"stale_grad_norms": list(stale_norms), "grad_norms": list(grad_norms)}, step=step)
+                f"{path}.grad was not zeroed between optimizer steps: each backward adds to the previous gradient "
+                f"({before}), and the optimizer, which holds the tensor, steps with that growing sum instead of "
+                "the step's gradient. The gradients of most other tensors it holds are zeroed: whatever zeroes "
+                "them misses this one.",
+                evidence={**evidence, "in_optimizer": True, "optimizer": optimizer}, step=step,
+                fix="Zero it once per optimizer step, after optimizer.step(): optimizer.zero_grad() reaches every "
+                    "tensor the optimizer holds (a zero_grad() of part of the model does not).")
+
+
+def gradients_never_zeroed(optimizers: Sequence[int], n_optimizers: int, tensors: Sequence[str], judged: int,
+                           step: int) -> Finding:
+    """(Nearly) every tensor that each of ``optimizers`` holds and that got gradients (``judged`` of them) accumulated
+    its gradient (``tensors``): zero_grad() is never called. One finding at the root, not one per tensor."""
+    if n_optimizers <= 1:
+        who = "the optimizer"
+    elif len(optimizers) == 1:
+        who = f"optimizer {optimizers[0]}"
+    else:
+        who = "optimizers " + ", ".join(str(o) for o in optimizers)
+    n = len(tensors)
+    every = f"all {judged:,}" if n == judged else f"{n:,} of the {judged:,}"
+    shown = ", ".join(tensors[:3]) + (f" and {n - 3:,} more" if n > 3 else "")
+    return make(FindingCode.GRAD_ACCUMULATING, "",
+                f"The gradients {who} steps with are never zeroed: {every} tensors it holds that got "
+                f"gradients ({shown}) still held the previous gradient when the next one arrived, in each of the "
+                "last sampled steps. Every backward adds to the sum of all before it, so each optimizer.step() "
+                "follows the running sum of the whole run's gradients instead of the step's: "
+                "optimizer.zero_grad() is never called.",
+                evidence={"optimizers": list(optimizers), "tensors": n, "tensors_with_gradients": judged,
+                          "examples": list(tensors[:20])},
+                step=step,
+                fix="Call optimizer.zero_grad() (or model.zero_grad()) every step, after optimizer.step() (with "
+                    "gradient accumulation: after each optimizer step, so that the micro-batches' gradients add up "
+                    "in between).")
 
 
 def forward_bypassed(module_path: str, tensor_path: str, modules: Sequence[str], first_step: int, step: int,

@@ -203,8 +203,9 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         "learning rate."),
     FindingCode.GRAD_ACCUMULATING: CodeInfo(
         _W, "grad accumulating",
-        "Zero the gradient every step: register the tensor so optimizer.zero_grad() reaches it, or call "
-        "model.zero_grad()."),
+        "Zero the gradients once per optimizer step: call optimizer.zero_grad() (or model.zero_grad()) after "
+        "optimizer.step() (with gradient accumulation, after each optimizer step, not each micro-batch); a "
+        "tensor no optimizer holds must be registered and given to it for optimizer.zero_grad() to reach it."),
     FindingCode.TRAINING_MODE_MISMATCH: CodeInfo(
         _E, "mode mismatch",
         "Register the module so model.train()/model.eval() reach it, or set its mode explicitly.", event=True),

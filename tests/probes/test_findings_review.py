@@ -1,0 +1,115 @@
+"""Findings real-use reviewers found wrong or noisy, each on a real training loop: a forgotten zero_grad() is one
+root finding, a learning rate decayed to nothing says so, layers dead because their input is dead are
+consequences, and a frozen backbone is one info."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import probes
+
+
+def data(n=32, din=16, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, din, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return x, y
+
+
+# ------------------------------------------------------------------------- 1. zero_grad() forgotten
+class ResBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.fc(x)))
+
+
+class ResMLP(nn.Module):
+    def __init__(self, din=16, d=32, classes=4, blocks=5):
+        super().__init__()
+        self.stem = nn.Linear(din, d)
+        self.blocks = nn.Sequential(*[ResBlock(d) for _ in range(blocks)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+def test_a_forgotten_zero_grad_is_one_root_finding_with_the_right_fix(run_dir):
+    model = ResMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()                            # optimizer.zero_grad() never called
+            opt.step()
+            w.step(loss)
+        found = [f for f in w.findings() if f.code == "grad-accumulating"]
+    n = sum(1 for _ in model.parameters())
+    # one finding at the root, not one per tensor (26 here; hundreds on an LLM)
+    assert [(f.path, f.severity, f.cause) for f in found] == [("", "warning", None)], [str(f) for f in found]
+    root = found[0]
+    assert root.evidence["tensors"] == n and root.evidence["optimizers"] == [0]
+    assert "never zeroed" in root.message and "nobody uses" not in root.message
+    assert "optimizer.zero_grad()" in root.fix and "register" not in root.fix
+
+
+def test_a_part_of_the_model_left_unzeroed_is_reported_per_tensor(run_dir):
+    """Only the blocks are zeroed (blocks.zero_grad()): the stem and the head accumulate, each its own finding."""
+    model = ResMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            loss = F.cross_entropy(model(x), y)
+            model.blocks.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = {f.path: f for f in w.findings() if f.code == "grad-accumulating"}
+    assert sorted(found) == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
+    assert "steps with that growing sum" in found["stem.weight"].message
+    assert "optimizer.zero_grad()" in found["stem.weight"].fix
+
+
+class Unregistered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.scale = torch.ones(4, requires_grad=True)      # no optimizer holds it, nothing zeroes it
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_tensor_no_optimizer_holds_that_accumulates_keeps_its_own_finding(run_dir):
+    model = Unregistered()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = [(f.path, f.cause) for f in w.findings() if f.code == "grad-accumulating"]
+        msg = next(f.message for f in w.findings() if f.code == "grad-accumulating")
+    assert found == [("scale", ("unregistered-tensor", "scale"))]
+    assert "nobody uses" in msg
+
+
+def test_gradient_accumulation_over_micro_batches_is_not_reported(run_dir):
+    model = ResMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            for _ in range(3):                         # zero_grad after every 3rd micro-batch, step every 3
+                x, y = data(seed=torch.randint(0, 100, ()).item())
+                (F.cross_entropy(model(x), y) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+        assert [str(f) for f in w.findings()] == []
