@@ -33,36 +33,61 @@ from .structure import (
 
 
 class IdRegistry:
-    """Ids for the whole run. A module keeps its id across rebuilds while the same object is at its path; another
-    module put at the path (``model.head = nn.Linear(...)``) gets a new id. A tensor's id is its path's under its
-    owning module's id: a new module's tensors are new, a parameter replaced on the same module keeps its id."""
+    """Ids for the whole run. A module keeps its id for as long as it is part of the model, at its path or at
+    another one it moved to (``model.blocks.pop(2)`` moves ``blocks.3`` to ``blocks.2``; ``insert(0, ...)`` moves
+    every block): the id is the module object's. Another module put at a path (``model.head = nn.Linear(...)``)
+    gets a new id. A tensor's id is its name under its owning module's id (its path below the module's): a tensor
+    that moves with its module keeps its id, a new module's tensors are new, a parameter replaced on the same module
+    keeps its id."""
 
     def __init__(self) -> None:
-        self._modules: dict[str, int] = {}
-        self._objects: dict[str, weakref.ref[nn.Module]] = {}    # path -> the module its id was given to
+        self._paths: dict[str, int] = {}           # path -> the id last given at it
+        self._objects: dict[int, tuple[weakref.ref[nn.Module], int]] = {}   # id(module) -> (the module, its id)
+        self._bound: set[int] = set()              # ids given to a module object (never reused by path alone)
         self._n_modules = 0
+        self._pruned_at = 0
         self._tensors: dict[tuple[str, int | None], int] = {}
 
-    def module_id(self, path: str, module: nn.Module | None = None) -> int:
-        """The id of the module at ``path`` (``module``: the object there now; None: by path alone)."""
-        mid = self._modules.get(path)
-        if module is not None:
-            known = self._objects.get(path)
-            if mid is not None and known is not None and known() is not module:
-                mid = None                      # another module at this path now (the one before is gone or moved)
-            if mid is None or known is None:
-                try:
-                    self._objects[path] = weakref.ref(module)
-                except TypeError:               # not weakly referenceable: known by its path alone
-                    self._objects.pop(path, None)
-        if mid is None:
-            mid = self._modules[path] = self._n_modules
-            self._n_modules += 1
+    def _new(self) -> int:
+        mid = self._n_modules
+        self._n_modules += 1
         return mid
 
-    def tensor_id(self, path: str, owner: int | None = None) -> int:
-        """The id of the tensor at ``path`` owned by module id ``owner``."""
-        return self._tensors.setdefault((path, owner), len(self._tensors))
+    def module_id(self, path: str, module: nn.Module | None = None) -> int:
+        """The id of the module at ``path`` (``module``: the object there now; None: by path alone: a module found
+        while forward ran)."""
+        if module is None:
+            mid = self._paths.get(path)
+            if mid is None:
+                mid = self._paths[path] = self._new()
+            return mid
+        known = self._objects.get(id(module))
+        if known is not None and known[0]() is module:
+            mid = known[1]
+        else:
+            mid = self._paths.get(path)
+            if mid is None or mid in self._bound:
+                mid = self._new()               # a module new to the run (another one may have been at this path)
+            try:
+                ref = weakref.ref(module)
+            except TypeError:                   # not weakly referenceable: known by its path alone
+                pass
+            else:
+                self._objects[id(module)] = (ref, mid)
+                self._bound.add(mid)
+                self._prune()
+        self._paths[path] = mid
+        return mid
+
+    def _prune(self) -> None:
+        """Forget the modules that no longer exist (their ids are never given again)."""
+        if len(self._objects) > 2 * self._pruned_at + 64:
+            self._objects = {k: v for k, v in self._objects.items() if v[0]() is not None}
+            self._pruned_at = len(self._objects)
+
+    def tensor_id(self, name: str, owner: int | None = None) -> int:
+        """The id of the tensor ``name`` (its path below its owning module's) owned by module id ``owner``."""
+        return self._tensors.setdefault((name, owner), len(self._tensors))
 
 
 @dataclasses.dataclass
@@ -328,14 +353,16 @@ def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], i
                 runtime_nodes: Iterable[ModuleNode] = ()) -> ModelIndex:
     """Walk the model and give every module and tensor its run-stable id."""
     s = build_structure(model, optimizers)
+    # a tensor is known by its name below its owning module (the walk's module ids are positions in s.modules)
+    names = [_below(t.path, s.modules[t.module_id].path if t.module_id is not None else None) for t in s.tensors]
     for node in s.modules:
         node.module_id = ids.module_id(node.path, node.module)
     remap = {i: n.module_id for i, n in enumerate(s.modules)}
     for node in s.modules:
         node.parent_id = remap.get(node.parent_id) if node.parent_id is not None else None
-    for t in s.tensors:
+    for t, name in zip(s.tensors, names, strict=True):
         t.module_id = remap.get(t.module_id) if t.module_id is not None else None
-        t.param_id = ids.tensor_id(t.path, t.module_id)
+        t.param_id = ids.tensor_id(name, t.module_id)
     modules = {n.module_id: n for n in s.modules}
     for rt in runtime_nodes:
         modules.setdefault(rt.module_id, rt)
@@ -344,7 +371,9 @@ def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], i
         paths.setdefault(n.path, n.module_id)
         for alias in n.aliases:
             paths.setdefault(alias, n.module_id)
-    root_id = ids.module_id("")
+    root_id = next((n.module_id for n in s.modules if n.path == ""), None)
+    if root_id is None:
+        root_id = ids.module_id("")
     live = [n for n in s.modules if n.module is not None]
     return ModelIndex(
         structure=s,
@@ -362,6 +391,16 @@ def build_index(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], i
         n_optimizers=len(optimizers),
         wrappers=s.wrappers,
     )
+
+
+def _below(path: str, owner: str | None) -> str:
+    """A tensor's path below its owning module's path ``owner`` (``0.weight`` of ``blocks.0.weight`` under
+    ``blocks``): the same while the module moves; the whole path where it has no owner (or, marked apart from every
+    name below it, where its path is not below its owner's)."""
+    if not owner:
+        return path
+    prefix = owner + "."
+    return path[len(prefix):] if path.startswith(prefix) else "\x00" + path
 
 
 def _mode_relevant(node: ModuleNode) -> bool:

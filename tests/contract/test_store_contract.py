@@ -571,6 +571,44 @@ def test_a_changed_model_is_read_as_it_is_now(swapped, runs, tmp_path):
     assert cmp["keys_added"] == cmp["keys_removed"] == []
 
 
+def test_a_module_that_moved_is_read_as_the_module_it_was(tmp_path):
+    """``model.blocks.pop(0)`` at step SWAP_AT: the blocks after it only move up (the same objects, now at
+    ``blocks.0`` and ``blocks.1``). Read as the model now: each is the module it was, at its new path, with its whole
+    history and its own tensors; only the block popped is removed, under the path it had."""
+    torch.manual_seed(0)
+    model = Swapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    calls = iter(range(STEPS))
+
+    def step() -> torch.Tensor:
+        if next(calls) == SWAP_AT:
+            model.blocks.pop(0)
+        return classifier_step(model, opt, x, y)()
+    s = train(tmp_path / "moved", model, opt, step).store
+    now = {m["path"]: m for m in s.all_modules()}
+    assert set(now) == {"", "stem", "blocks", "blocks.0", "blocks.1", "head"}
+    (gone,) = s.all_modules(removed=True)
+    assert (gone["path"], gone["removed_step"], gone["first_step"]) == ("blocks.0", SWAP_AT, 0)
+    moved = [now["blocks.0"], now["blocks.1"]]
+    assert gone["module_id"] < moved[0]["module_id"] < moved[1]["module_id"]          # ids given at step 0
+    for m in moved:
+        assert m["first_step"] == 0 and m["removed_step"] is None
+        assert s.module_series(0, m["module_id"])["step"] == list(range(STEPS))      # one history, never split
+        assert [p["path"] for p in s.module_params(0, m["module_id"])] == [f"{m['path']}.weight", f"{m['path']}.bias"]
+        assert all(p["stat_step"] == STEPS - 1 for p in s.module_params(0, m["module_id"]))
+    assert s.module_series(0, gone["module_id"])["step"] == list(range(SWAP_AT))
+    assert [p["path"] for p in s.module_params(0, gone["module_id"])] == ["blocks.0.weight", "blocks.0.bias"]
+    assert s.module_by_path(0, "blocks.0") == now["blocks.0"] and s.module_by_path(0, "blocks.2") is None
+    assert s.module_for_path(0, "blocks.1.weight") == now["blocks.1"]
+    assert [m["path"] for m in s.children(0, now["blocks"]["module_id"])["items"]] == ["blocks.0", "blocks.1"]
+    tree, _ = modules_page.build_tree(s, 0, [m["module_id"] for m in now.values()], None)
+    assert [r["path"] for r in tree["rows"]] == ["", "stem", "blocks", "blocks.0", "blocks.1", "head"]
+    assert s.overview()["modules_removed"] == 1
+    assert s.state_dict_keys() == sorted(f"{m}.{p}" for m in ("stem", "blocks.0", "blocks.1", "head")
+                                         for p in ("weight", "bias"))
+
+
 def test_the_learning_rate_a_scheduler_sets_is_stored_per_step(tmp_path):
     """The params table holds the lr its param group had when the model was indexed; a scheduler changes it every
     step (a warmup from 0), so each sampled step stores its own, and the parameter table shows the latest."""

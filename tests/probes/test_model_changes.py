@@ -200,3 +200,108 @@ def test_a_truncated_walk_removes_no_unregistered_module():
     assert p.removed_modules == {1: 9, 2: 7} and p.removed_tensors == {0: 9, 1: 7}
     assert p.update(index({0: "registered", 2: "registered"}, {1: True}), 12) == ({}, {})      # back
     assert p.removed_modules == {1: 9} and p.removed_tensors == {0: 9}
+
+
+class Blocks(nn.Module):
+    """Residual blocks in a ModuleList; ``dead``: the last one's units 0-7 dead (a bias far below zero before its
+    ReLU)."""
+
+    def __init__(self, n: int = 4, dead: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(n)])
+        self.head = nn.Linear(16, 2)
+        if dead:
+            with torch.no_grad():
+                self.blocks[n - 1][0].bias[:8] = -100.0
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def ids_by_path(w, table="modules", key="module_id"):
+    """The ids of the rows that are part of the model now, by path (what the writer has committed)."""
+    w._writer.flush()
+    return dict(stored(w, f"SELECT path, {key} FROM {table} WHERE removed_step IS NULL"))
+
+
+def test_a_module_that_only_moved_keeps_its_id_and_history(tmp_path, read_path):
+    """``model.blocks.pop(2)``: the block popped leaves the model; the block after it only moves (the same object,
+    from ``blocks.3`` to ``blocks.2``) and stays the module it was: its id, first step and statistics go on under its
+    new path, and so do its submodules' and its tensors'. Its dead units are reported at its new path."""
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        steps(model, opt, w, 40)
+        assert ("dead-units", "blocks.3.1") in codes(w.findings())
+        before, tensors_before = ids_by_path(w), ids_by_path(w, "params", "param_id")
+        model.blocks.pop(2)
+        steps(model, opt, w, 20, seed=1)
+        found = codes(w.findings())
+        assert w.probe_errors == {}
+    moved = {p: before[p.replace("blocks.2", "blocks.3", 1)] for p in ("blocks.2", "blocks.2.0", "blocks.2.1")}
+    popped = {before[p] for p in ("blocks.2", "blocks.2.0", "blocks.2.1")}
+    after = ids_by_path(w)
+    assert {p: after[p] for p in moved} == moved
+    assert not [p for p in after if p.startswith("blocks.3")]
+    assert stored(w, "SELECT path FROM modules WHERE path LIKE 'blocks.3%'") == []      # its row says where it is
+    # only what was popped is removed, at the step the index was rebuilt without it
+    gone = stored(w, "SELECT module_id, path, removed_step FROM modules WHERE removed_step IS NOT NULL")
+    assert {mid for mid, _, _ in gone} == popped and {s for _, _, s in gone} <= {40, 41}
+    assert sorted(p for _, p, _ in gone) == ["blocks.2", "blocks.2.0", "blocks.2.1"]
+    # its history goes on under one id: every step measured, first seen at step 0
+    for mid in moved.values():
+        assert [s for s, in stored(w, f"SELECT step FROM module_stats WHERE module_id = {mid} ORDER BY step")] == \
+            list(range(60))
+        assert stored(w, f"SELECT first_step FROM modules WHERE module_id = {mid}") == [(0,)]
+    # its tensors moved with it: the same ids, their paths the new ones
+    assert {p: ids_by_path(w, "params", "param_id")[p] for p in ("blocks.2.0.weight", "blocks.2.0.bias")} == \
+        {p: tensors_before[p.replace("blocks.2", "blocks.3", 1)] for p in ("blocks.2.0.weight", "blocks.2.0.bias")}
+    assert sorted(p for p, in stored(w, "SELECT path FROM params WHERE removed_step IS NOT NULL")) == \
+        ["blocks.2.0.bias", "blocks.2.0.weight"]
+    tid = tensors_before["blocks.3.0.weight"]
+    assert [s for s, in stored(w, f"SELECT step FROM param_stats WHERE param_id = {tid} ORDER BY step")] == \
+        list(range(60))
+    # the finding about its dead units is about it at its new path now; the one at the old path is resolved
+    assert ("dead-units", "blocks.2.1") in found and ("dead-units", "blocks.3.1") not in found
+    assert stored(w, "SELECT module_id, active FROM findings WHERE code = 'dead-units' AND path = 'blocks.2.1'") == \
+        [(moved["blocks.2.1"], 1)]
+    assert stored(w, "SELECT active FROM findings WHERE code = 'dead-units' AND path = 'blocks.3.1'") == [(0,)]
+
+
+def test_modules_shifted_by_an_insert_keep_their_ids(tmp_path, read_path):
+    """``ModuleList.insert(0, ...)`` moves every block one place down: each keeps its id and history; only the one
+    inserted is new. Two blocks that trade places keep theirs too."""
+    torch.manual_seed(0)
+    model = Blocks(3, dead=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        steps(model, opt, w, 5)
+        before = ids_by_path(w)
+        model.blocks.insert(0, nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
+        opt.add_param_group({"params": model.blocks[0].parameters()})
+        steps(model, opt, w, 5, seed=1)
+        shifted = ids_by_path(w)
+        model.blocks[1], model.blocks[2] = model.blocks[2], model.blocks[1]
+        steps(model, opt, w, 5, seed=2)
+        assert w.probe_errors == {} and serious(w) == set()
+    for i in range(3):
+        for sub in ("", ".0", ".1"):
+            assert shifted[f"blocks.{i + 1}{sub}"] == before[f"blocks.{i}{sub}"]
+    new = {shifted[p] for p in ("blocks.0", "blocks.0.0", "blocks.0.1")}
+    assert new.isdisjoint(before.values())
+    assert stored(w, "SELECT COUNT(*) FROM modules WHERE removed_step IS NOT NULL") == [(0,)]
+    assert stored(w, "SELECT COUNT(*) FROM params WHERE removed_step IS NOT NULL") == [(0,)]
+    first = dict(stored(w, "SELECT module_id, first_step FROM modules"))
+    assert {first[mid] for mid in before.values()} == {0} and {first[mid] for mid in new} <= {5, 6}
+    assert len(first) == len(before) + 3
+    swapped = ids_by_path(w)
+    assert (swapped["blocks.1"], swapped["blocks.2"]) == (shifted["blocks.2"], shifted["blocks.1"])
+    assert (swapped["blocks.1.0"], swapped["blocks.2.0"]) == (shifted["blocks.2.0"], shifted["blocks.1.0"])
+    mid = before["blocks.0"]
+    assert [s for s, in stored(w, f"SELECT step FROM module_stats WHERE module_id = {mid} ORDER BY step")] == \
+        list(range(15))
