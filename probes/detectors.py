@@ -91,6 +91,8 @@ class _Node(Protocol):
 class _TensorNode(Protocol):
     @property
     def dtype(self) -> str: ...
+    @property
+    def numel(self) -> int: ...
 
 
 class ModelView(Protocol):
@@ -335,12 +337,15 @@ class DynamicDetectors:
                 continue
             steps = [int(w.last("step", k)[tid]) for k in reversed(range(NOT_UPDATING_STEPS))]
             # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
-            zero_lr = all(float(w.last("lr", k)[tid]) == 0.0 for k in range(NOT_UPDATING_STEPS))
+            lrs = [float(w.last("lr", k)[tid]) for k in range(NOT_UPDATING_STEPS)]
+            zero_lr = all(lr == 0.0 for lr in lrs)
             node = view.tensors.get(tid)
+            tiny = None if zero_lr or node is None else _tiny_lr(lrs, float(w.last("data")[tid]),
+                                                                 float(w.last("grad")[tid]), node)
             out.append(findings.not_updating(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
                                              view.tensor_in_optimizer(tid), step,
-                                             view.tensor_group(tid) if zero_lr else None,
-                                             node.dtype if node is not None else None))
+                                             view.tensor_group(tid) if zero_lr or tiny else None,
+                                             node.dtype if node is not None else None, tiny_lr=tiny))
         return out
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
@@ -385,6 +390,29 @@ class DynamicDetectors:
                 opts, max(view.n_optimizers, len(opts)), [view.tensor_path(t) for o in opts for t in held[o]],
                 sum(never_zeroed.values()), step))
         return out
+
+
+# the relative spacing of the floating types a tensor is updated in: float32's for the low-precision ones too (the
+# master weights of mixed precision), whose own rounding the not-updating message names apart
+_EPS = {"float64": 2.0 ** -52}
+_EPS32 = 2.0 ** -23
+
+
+def _tiny_lr(lrs: Sequence[float], data_norm: float, grad_norm: float, node: _TensorNode
+             ) -> findings.TinyLearningRate | None:
+    """The learning rate as why a tensor did not change, when in every one of the steps (``lrs``) an optimizer step
+    of lr x max(1, the gradient's rms) per value (Adam's is about lr, SGD's lr x the gradient) is below half the spacing
+    of float32 (float64) numbers at the tensor's rms: rounded away whatever the optimizer. A scheduler that decayed it
+    (StepLR stepped per batch) does that; an lr of 1e-6 moves a weight of 1."""
+    numel = node.numel
+    if numel <= 0 or not (math.isfinite(data_norm) and data_norm > 0 and math.isfinite(grad_norm)):
+        return None
+    rms = data_norm / math.sqrt(numel)
+    spacing = math.ldexp(_EPS.get(node.dtype, _EPS32), math.frexp(rms)[1] - 1)   # between the numbers at rms
+    step = max(1.0, grad_norm / math.sqrt(numel))
+    if not all(math.isfinite(lr) and lr > 0 and lr * step < spacing / 2 for lr in lrs):
+        return None
+    return findings.TinyLearningRate(lrs[0], rms, spacing, "float64" if node.dtype == "float64" else "float32")
 
 
 def _drops_at_random(view: ModelView, mid: int) -> bool:

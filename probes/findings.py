@@ -279,14 +279,36 @@ class NonFiniteOrigin:
 _PRECISION_BITS = {"bfloat16": 8, "float16": 11}
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyLearningRate:
+    """A learning rate so small that an optimizer step rounds away: about lr per value is below half the spacing of
+    the ``reference`` floating type at the tensor's ``rms``."""
+
+    lr: float                      # the latest step's
+    rms: float
+    spacing: float
+    reference: str                 # 'float32' | 'float64'
+
+
 def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int,
-                 zero_lr_group: tuple[int, int] | None = None, dtype: str | None = None) -> Finding:
-    """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 in every one of ``steps``; ``dtype``: the
-    tensor's."""
+                 zero_lr_group: tuple[int, int] | None = None, dtype: str | None = None,
+                 tiny_lr: TinyLearningRate | None = None) -> Finding:
+    """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 (or, with ``tiny_lr``, so small that a
+    step rounds away) in every one of ``steps``; ``dtype``: the tensor's."""
+    fix = None
     if zero_lr_group is not None:
         opt, group = zero_lr_group
         where = f"param group {group}" + (f" of optimizer {opt}" if opt else "")
-        reason = f"its {where} has lr=0 in every one of them, so no optimizer step can move it"
+        if tiny_lr is None:
+            reason = f"its {where} has lr=0 in every one of them, so no optimizer step can move it"
+        else:
+            reason = (f"its {where}'s lr is {tiny_lr.lr:.1e} (a scheduler decayed it?): an optimizer step of about "
+                      f"lr per value (Adam's; SGD's is lr x the gradient) is below half the spacing of "
+                      f"{tiny_lr.reference} numbers at the tensor's values (rms {tiny_lr.rms:.2g}: spacing "
+                      f"{tiny_lr.spacing:.2g}), so every step rounds away")
+            fix = ("Check the learning-rate schedule: a StepLR/ExponentialLR stepped every batch instead of every "
+                   "epoch divides lr by its factor every step_size batches; give it a floor (eta_min, min_lr) well "
+                   "above 1e-7 of the weights' size, or step it per epoch.")
     elif not in_optimizer:
         reason = "no watched optimizer holds it"
     elif dtype in _PRECISION_BITS:
@@ -300,11 +322,12 @@ def not_updating(path: str, grad_norm: float, steps: Sequence[int], in_optimizer
     if dtype is not None:
         evidence["dtype"] = dtype
     if zero_lr_group is not None:
-        evidence.update({"optimizer": zero_lr_group[0], "param_group": zero_lr_group[1], "lr": 0.0})
+        evidence.update({"optimizer": zero_lr_group[0], "param_group": zero_lr_group[1],
+                         "lr": tiny_lr.lr if tiny_lr is not None else 0.0})
     return make(FindingCode.NOT_UPDATING, path,
                 f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                 f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
-                evidence=evidence, step=step)
+                evidence=evidence, step=step, fix=fix)
 
 
 def grad_accumulating(path: str, stale_norms: Sequence[float | None], grad_norms: Sequence[float | None],

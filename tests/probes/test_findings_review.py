@@ -1,6 +1,7 @@
 """Findings real-use reviewers found wrong or noisy, each on a real training loop: a forgotten zero_grad() is one
 root finding, a learning rate decayed to nothing says so, layers dead because their input is dead are
 consequences, and a frozen backbone is one info."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -113,3 +114,47 @@ def test_gradient_accumulation_over_micro_batches_is_not_reported(run_dir):
             opt.zero_grad()
             w.step()
         assert [str(f) for f in w.findings()] == []
+
+
+# ------------------------------------------------------------------------- 2. a learning rate decayed to nothing
+def test_a_learning_rate_decayed_to_nothing_is_named_as_why_a_tensor_does_not_update(run_dir):
+    """StepLR(step_size=10, gamma=0.1) stepped per batch, not per epoch (the review's was step_size=50 over 400
+    batches): after 80 batches lr is 1e-11, AdamW's steps of about lr per value round away in float32, and the message
+    says the lr is why."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.1)
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(85):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()                               # per batch
+            w.step(loss)
+        found = {f.path: f for f in w.findings() if f.code == "not-updating"}
+    # a weight's values near 0 still move by 1e-11 (its update is seen); its biases' do not
+    assert "0.bias" in found, [str(f) for f in w.findings()]
+    f = found["0.bias"]
+    assert "lr is 1.0e-11" in f.message and "scheduler" in f.message, f.message
+    assert "did not change it" not in f.message
+    assert f.evidence["lr"] == pytest.approx(1e-11) and "schedule" in f.fix
+
+
+def test_a_healthy_small_learning_rate_is_not_blamed(run_dir):
+    """lr=1e-6 moves float32 weights: no finding. lr=0 keeps its own message."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-6},
+                             {"params": model[2].parameters(), "lr": 0.0}])
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = {f.path: f for f in w.findings() if f.code == "not-updating"}
+    assert sorted(found) == ["2.bias", "2.weight"]
+    assert "lr=0" in found["2.weight"].message
