@@ -754,6 +754,11 @@ class StepCapture:
         remaining = [] if measured.issuperset(gradient_tensors) else [t for t in gradient_tensors if t not in measured]
         if remaining:
             self.measure_grads(rec, remaining)
+        computed = index.computed_tensors()
+        if computed:                # no .grad of their own (reading it makes torch warn): their values alone
+            rest = [t for t in computed if t not in rec.data]
+            if rest:
+                _add_per_tensor(rec, rest, tensor_stats.norms([index.tensor(t) for t in rest]), rec.data)
         if rec.orphan_baseline is not None:
             baseline, rec.orphan_baseline = rec.orphan_baseline, None
             self.measure_updates(rec, baseline)

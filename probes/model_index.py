@@ -1,10 +1,11 @@
 """The model index: everything the probes need to know about the watched model, as one immutable object.
 
 Built from the static structure walk (:mod:`probes.structure`) with ids that stay stable for the whole
-run: a module keeps its id while it stays at its path; a new module put at a path (a head replaced mid-run)
-gets a new id, and so do its tensors, so that what it replaced keeps its own rows and history (marked as
-removed, :class:`Presence`). Plus the modules discovered while forward ran (:mod:`probes.runtime_modules`).
-The detectors read it through the same named methods the hooks use.
+run: a module keeps its id while it is part of the model, also when it moves to another path (a ModuleList item
+popped before it); a new module put at a path (a head replaced mid-run) gets a new id, and so do its tensors, so
+that what it replaced keeps its own rows and history (marked as removed, :class:`Presence`). Plus the modules
+discovered while forward ran (:mod:`probes.runtime_modules`). The detectors read it through the same named methods
+the hooks use.
 """
 
 from __future__ import annotations
@@ -303,9 +304,17 @@ class ModelIndex:
         return {tid: tensor_stats.update_scale(node.numel) for tid, node in self.tensors.items()}
 
     @functools.cached_property
+    def _leaves(self) -> tuple[TensorNode, ...]:
+        """The measurable tensors that may hold a ``.grad``: no buffers, and no computed (non-leaf) tensors kept as
+        attributes, such as the parameters of a TorchScript module deep-copied by ``AveragedModel`` (their ``.grad``
+        is never filled, and reading it makes torch warn)."""
+        return tuple(t for t in self._measurable if t.kind != TensorKind.BUFFER and t.tensor is not None
+                     and t.tensor.is_leaf)
+
+    @functools.cached_property
     def _orphans(self) -> list[int]:
-        return [t.param_id for t in self._measurable if t.opt_index is None and t.kind != TensorKind.BUFFER
-                and t.tensor is not None and t.tensor.requires_grad]
+        return [t.param_id for t in self._leaves if t.opt_index is None and t.tensor is not None
+                and t.tensor.requires_grad]
 
     def orphan_tensors(self) -> list[int]:
         """Trainable tensors no watched optimizer holds: their change across a step proves (non-)updates."""
@@ -313,11 +322,20 @@ class ModelIndex:
 
     @functools.cached_property
     def _gradient_tensors(self) -> list[int]:
-        return [t.param_id for t in self._measurable if t.kind != TensorKind.BUFFER]
+        return [t.param_id for t in self._leaves]
 
     def gradient_tensors(self) -> list[int]:
-        """Every tensor whose gradient is measured at the end of a step (no buffers)."""
+        """Every tensor whose gradient is measured at the end of a step (no buffers, no non-leaf tensors)."""
         return self._gradient_tensors
+
+    @functools.cached_property
+    def _computed_tensors(self) -> list[int]:
+        return [t.param_id for t in self._measurable if t.kind != TensorKind.BUFFER and t.tensor is not None
+                and not t.tensor.is_leaf]
+
+    def computed_tensors(self) -> list[int]:
+        """The non-leaf tensors (left out of the gradient lists): only their values are measured."""
+        return self._computed_tensors
 
     def fingerprint_tensors(self) -> list[int]:
         """Registered parameters and buffers that data parallelism keeps identical on every rank (not the
