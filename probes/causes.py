@@ -8,7 +8,9 @@ to what it explains:
   ``training-mode-mismatch`` at P or below it;
 - ``not-in-optimizer`` and ``unregistered-tensor`` at a tensor explain ``not-updating`` and
   ``grad-accumulating`` of that tensor;
-- ``not-in-optimizer`` of a replacement explains the ``stale-optimizer-param`` entry of what it replaced.
+- ``not-in-optimizer`` of a replacement explains the ``stale-optimizer-param`` entry of what it replaced;
+- ``dead-layer`` at P explains ``dead-layer`` and ``dead-units`` of the modules after it that are dead because their
+  input is (the detectors name the first dead layer of the chain, in execution order: ``dead_upstream``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .schema import FindingCode
 
 _TENSOR_CONSEQUENCES = frozenset({FindingCode.NOT_UPDATING, FindingCode.GRAD_ACCUMULATING})
 _MODULE_CONSEQUENCES = _TENSOR_CONSEQUENCES | {FindingCode.TRAINING_MODE_MISMATCH}
+_DEAD = frozenset({FindingCode.DEAD_LAYER, FindingCode.DEAD_UNITS})
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -34,6 +37,7 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
                           key=len, reverse=True)
     not_in_optimizer = {f.path for f in items if f.code == FindingCode.NOT_IN_OPTIMIZER}
     unregistered_tensors = {f.path for f in items if f.code == FindingCode.UNREGISTERED_TENSOR}
+    keys = {f.key for f in items if f.code == FindingCode.DEAD_LAYER}
     out = []
     for f in items:
         cause: tuple[str, str] | None = None
@@ -46,6 +50,9 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
                 cause = (FindingCode.NOT_IN_OPTIMIZER, f.path)
             elif f.path in unregistered_tensors:
                 cause = (FindingCode.UNREGISTERED_TENSOR, f.path)
+        upstream = f.evidence.get("dead_upstream") if f.code in _DEAD else None
+        if isinstance(upstream, str) and upstream != f.path and (FindingCode.DEAD_LAYER, upstream) in keys:
+            cause = (FindingCode.DEAD_LAYER, upstream)
         if f.code == FindingCode.STALE_OPTIMIZER_PARAM:
             replaced = f.evidence.get("replaced")
             if isinstance(replaced, str) and replaced in not_in_optimizer:

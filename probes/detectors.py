@@ -233,24 +233,34 @@ class DynamicDetectors:
         flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
         trained: frozenset[int] | None = None       # the modules owning trained tensors, made when needed
         wrappers = self._wrappers((constant | dead_layer | dead_units).nonzero().flatten().tolist(), view)
+        judged = {mid: None if _drops_at_random(view, mid) else self._enough_for_dead(mid) for mid in flagged
+                  if view.has_module(mid)}
+        # a dropout is not judged, but passes a dead input on (zeros stay zeros): a link of the chain
+        dead_inputs = self._dead_inputs(
+            [m for m in flagged if judged.get(m) is not None and m not in wrappers
+             and bool(constant[m] | dead_layer[m] | dead_units[m])],
+            {m for m in flagged if m in judged and (judged[m] is not None or _drops_at_random(view, m))
+             and bool(constant[m] | dead_layer[m])}, wrappers, view)
         for mid in flagged:
             if not view.has_module(mid):
                 continue
             path, typ, n = view.module_path(mid), view.module_type(mid), int(samples[mid])
-            dead_judged = None if _drops_at_random(view, mid) else self._enough_for_dead(mid)
+            dead_judged = judged[mid]
             if dead_judged is not None:
                 n = dead_judged
             last_std = _opt(w.last("std")[mid])
             ev = {"dead_fraction": _opt(dead[mid]), "window_samples": n, "zero_fraction": _opt(w.last("zero")[mid]),
                   "std": last_std, "type": typ}
+            link = dead_inputs.get(mid)
+            dead_input = (view.module_path(link[0]), view.module_path(link[1])) if link is not None else None
             if dead_judged is None or mid in wrappers:
                 pass
             elif constant[mid]:
-                out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step))
+                out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step, dead_input))
             elif dead_layer[mid]:
-                out.append(findings.dead_layer(path, typ, float(dead[mid]), n, ev, step))
+                out.append(findings.dead_layer(path, typ, float(dead[mid]), n, ev, step, dead_input))
             elif dead_units[mid]:
-                out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step))
+                out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step, dead_input))
             # the activation itself: the wrappers returning its very output share its statistics
             if saturated[mid] and view.saturation.get(mid):
                 if trained is None:
@@ -282,6 +292,47 @@ class DynamicDetectors:
                     out.add(parent)
                 node = view.modules.get(parent)
         return out
+
+    def _dead_inputs(self, reported: list[int], dead: set[int], wrappers: set[int], view: ModelView
+                     ) -> dict[int, tuple[int, int]]:
+        """Module id -> (the module whose dead output is its input, the first dead layer of that chain) for those of
+        ``reported`` (dead, constant or with dead units) whose input is dead: the module that ended last before it
+        started in the latest sampled step's execution order (a wrapper returning its child's output: that child) is
+        one of ``dead`` (dead or constant, reported). What is dead because its input is dead is a consequence of the
+        first dead layer, in execution order; one whose input is alive (the previous module is not dead) is a root.
+        Only the rare step that flags two dead modules pays for the order."""
+        if not dead or len(reported) < 2:
+            return {}
+        if self._orders is None:
+            self._orders = dict(zip(*self._latest, strict=False))
+        orders = self._orders
+        seq = sorted((o, m) for m, o in orders.items())
+        at = {m: i for i, (_, m) in enumerate(seq)}
+
+        def inside(mid: int, ancestor: int) -> bool:
+            node, seen = view.modules.get(mid), set()
+            while node is not None and node.parent_id is not None and node.parent_id not in seen:
+                if node.parent_id == ancestor:
+                    return True
+                seen.add(node.parent_id)
+                node = view.modules.get(node.parent_id)
+            return False
+
+        def before(mid: int) -> int | None:
+            i = at[mid] - 1
+            while i >= 0 and inside(seq[i][1], mid):      # its own children ran inside it, on its input
+                i -= 1
+            while i >= 0 and seq[i][1] in wrappers:       # a wrapper's output is its last child's
+                i -= 1
+            return seq[i][1] if i >= 0 else None
+
+        chain: dict[int, tuple[int, int]] = {}
+        for mid in sorted((m for m in {*reported, *dead} if m in at), key=at.__getitem__):
+            prev = before(mid)
+            if prev is not None and prev in dead and prev != mid:
+                chain[mid] = (prev, chain[prev][1] if prev in chain else prev)
+        shown = set(reported)       # the first dead layer must be reported (not a dropout, not a wrapper)
+        return {m: link for m in reported if (link := chain.get(m)) is not None and link[1] in shown}
 
     def _enough_for_dead(self, mid: int) -> int | None:
         """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when

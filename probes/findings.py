@@ -193,27 +193,44 @@ def runtime_module(path: str, type_name: str, called_from: str, *, seen_before: 
 
 
 # ------------------------------------------------------------------------------------ activations
+def _dead_input(message: str, evidence: dict[str, Any], dead_input: tuple[str, str] | None
+                ) -> tuple[str, dict[str, Any], str | None]:
+    """``dead_input``: (the module whose dead output is this one's input, the first dead layer of the chain): the
+    message says so, the evidence names both, and the fix is the first dead layer's."""
+    if dead_input is None:
+        return message, evidence, None
+    given, first = (display_path(p) for p in dead_input)
+    message += (f" Its input, the output of {given} before it, is dead too: this follows from the dead layer at "
+                f"{first}" if given != first else f" Its input, the output of {given} before it, is dead: this "
+                "follows from that dead layer")
+    return (message + ".", {**evidence, "dead_input": dead_input[0], "dead_upstream": dead_input[1]},
+            f"Fix the dead layer at {first} (its own finding says how): this module only passes its dead output "
+            "on.")
+
+
 def dead_constant(path: str, type_name: str, mean: float | None, samples: int, evidence: dict[str, Any],
-                  step: int) -> Finding:
-    return make(FindingCode.DEAD_LAYER, path,
-                f"The output of {display_path(path)} ({type_name}) is constant ({mean!r}) in every one of the "
-                f"last {samples} samples: it carries no information and passes no useful gradient.",
-                evidence=evidence, step=step)
+                  step: int, dead_input: tuple[str, str] | None = None) -> Finding:
+    msg, evidence, fix = _dead_input(
+        f"The output of {display_path(path)} ({type_name}) is constant ({mean!r}) in every one of the "
+        f"last {samples} samples: it carries no information and passes no useful gradient.", evidence, dead_input)
+    return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, step=step, fix=fix)
 
 
 def dead_layer(path: str, type_name: str, dead: float, samples: int, evidence: dict[str, Any],
-               step: int) -> Finding:
-    return make(FindingCode.DEAD_LAYER, path,
-                f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated (always zero) "
-                f"over the last {samples} sampled steps: the layer is dead and its inputs get no gradient "
-                "through it.", evidence=evidence, step=step)
+               step: int, dead_input: tuple[str, str] | None = None) -> Finding:
+    msg, evidence, fix = _dead_input(
+        f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated (always zero) "
+        f"over the last {samples} sampled steps: the layer is dead and its inputs get no gradient "
+        "through it.", evidence, dead_input)
+    return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, step=step, fix=fix)
 
 
 def dead_units(path: str, type_name: str, dead: float, samples: int, evidence: dict[str, Any],
-               step: int) -> Finding:
-    return make(FindingCode.DEAD_UNITS, path,
-                f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated over the last "
-                f"{samples} sampled steps: capacity is wasted.", evidence=evidence, step=step)
+               step: int, dead_input: tuple[str, str] | None = None) -> Finding:
+    msg, evidence, fix = _dead_input(
+        f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated over the last "
+        f"{samples} sampled steps: capacity is wasted.", evidence, dead_input)
+    return make(FindingCode.DEAD_UNITS, path, msg, evidence=evidence, step=step, fix=fix)
 
 
 def saturated(path: str, type_name: str, fraction: float, samples: int, step: int,

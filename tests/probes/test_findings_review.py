@@ -158,3 +158,68 @@ def test_a_healthy_small_learning_rate_is_not_blamed(run_dir):
         found = {f.path: f for f in w.findings() if f.code == "not-updating"}
     assert sorted(found) == ["2.bias", "2.weight"]
     assert "lr=0" in found["2.weight"].message
+
+
+# ------------------------------------------------------------------------- 4. layers after a dead layer
+def _dead_findings(model, run_dir, steps=5):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = data()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(steps):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        return {f.path: f for f in w.findings() if f.code in ("dead-layer", "dead-units")}
+
+
+def test_layers_dead_because_their_input_is_dead_are_consequences_of_the_first_dead_layer(run_dir):
+    """Linear -> ReLU (bias -3: dead) -> Linear (bias -3) -> ReLU: the second Linear's output is its bias, constant,
+    and the ReLU after it is 0: both follow from the first dead ReLU, their cause, not root errors of their own."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].bias.fill_(-3.0)
+        model[2].bias.fill_(-3.0)
+    found = _dead_findings(model, run_dir)
+    assert sorted(found) == ["1", "2", "3"], [str(f) for f in found.values()]
+    assert found["1"].cause is None and found["1"].severity == "error"
+    for p in ("2", "3"):
+        assert found[p].cause == ("dead-layer", "1"), str(found[p])
+        assert "LeakyReLU" not in found[p].fix and "1" in found[p].fix
+    assert found["2"].evidence["dead_input"] == "1" and found["3"].evidence["dead_input"] == "2"
+    # a Dropout between them passes the zeros on: the chain goes through it
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].bias.fill_(-3.0)
+        model[3].bias.fill_(-3.0)
+    found = _dead_findings(model, run_dir / "dropout")
+    assert {p: f.cause for p, f in found.items()} == {"1": None, "3": ("dead-layer", "1"), "4": ("dead-layer", "1")}
+
+
+class TwoBranches(nn.Module):
+    """Two branches of the same input, run one after the other, each dead of its own bias: two root causes (the
+    second's input, x, is alive, though a dead layer ran just before it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.b = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+        with torch.no_grad():
+            self.a[0].bias.fill_(-100.0)
+            self.b[0].bias.fill_(-100.0)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a(x), self.b(x)], 1))
+
+
+def test_a_dead_layer_whose_input_is_alive_stays_a_root_cause(run_dir):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)                    # the second ReLU dies; its input, the first's, is alive
+    found = _dead_findings(model, run_dir)
+    assert [(p, f.cause) for p, f in found.items()] == [("3", None)]
+    found = _dead_findings(TwoBranches(), run_dir / "branches")
+    assert sorted((p, f.cause) for p, f in found.items()) == [("a.1", None), ("b.1", None)]
