@@ -133,6 +133,37 @@ def frozen_parameter(path: str, shape: list[int] | None, in_optimizer: bool, ste
                 evidence={"shape": shape, "in_optimizer": in_optimizer}, step=step)
 
 
+def _count(n: int) -> str:
+    """23,512,128 as 23.5M."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.3g}{suffix}"
+    return str(n)
+
+
+def frozen_module(path: str, type_name: str, n_tensors: int, numel: int, in_optimizer: int,
+                  step: int | None) -> Finding:
+    """A subtree whose registered parameters are all frozen (a frozen backbone): one info, not one per tensor."""
+    held = (f" ({in_optimizer:,} of them held by an optimizer, which skips them)" if in_optimizer else "")
+    return make(FindingCode.FROZEN_PARAMETER, path,
+                f"{display_path(path)} ({type_name}): {_count(numel)} parameters in {n_tensors:,} tensor"
+                f"{'s' if n_tensors != 1 else ''}, all requires_grad=False{held}: saved and moved but never trained.",
+                evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
+                          "type": type_name}, step=step)
+
+
+def frozen_parameters_many(names: Sequence[str], n_modules: int, n_tensors: int, numel: int, in_optimizer: int,
+                           step: int | None) -> Finding:
+    """Many frozen subtrees and tensors (LoRA around every projection of an LLM): one info at the root."""
+    shown = ", ".join(display_path(n) for n in names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")
+    return make(FindingCode.FROZEN_PARAMETER, "",
+                f"{_count(numel)} parameters in {n_tensors:,} tensors have requires_grad=False, in {n_modules:,} "
+                f"frozen modules and {len(names) - n_modules:,} frozen tensors of modules that train ({shown}): "
+                "saved and moved but never trained (a frozen base around adapters, as LoRA's).",
+                evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
+                          "modules": n_modules, "examples": list(names[:50])}, step=step)
+
+
 def not_in_optimizer(path: str, shape: list[int] | None, numel: int, step: int | None) -> Finding:
     return make(FindingCode.NOT_IN_OPTIMIZER, path,
                 f"{path} requires grad, but no param group of the watched optimizer(s) holds it (membership is "

@@ -59,11 +59,12 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
                                                     device=t.device, step=step))
         if t.kind == TensorKind.PARAMETER:
             if not t.requires_grad:
-                out.append(findings.frozen_parameter(t.path, t.shape, t.in_optimizer, step))
+                pass                       # frozen_findings
             elif s.n_optimizers and not t.in_optimizer and t.module_id not in averaged:
                 out.append(findings.not_in_optimizer(t.path, t.shape, t.numel, step))
             if t.aliases:
                 out.append(findings.shared_parameter(t.path, t.aliases, t.shape, step))
+    out += frozen_findings(s, modules, step)
     for st in s.stale:
         where = (f"optimizer.param_groups[{st.group}]['params'][{st.index}]" if s.n_optimizers == 1
                  else f"optimizer[{st.opt_index}].param_groups[{st.group}]['params'][{st.index}]")
@@ -71,3 +72,57 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
                                                   step))
     return out
 
+
+
+# frozen subtrees and tensors beyond which one info at the root counts them all (LoRA on every projection of an LLM
+# freezes hundreds of base layers around the adapters)
+MAX_FROZEN_FINDINGS = 10
+
+
+def frozen_findings(s: ModelStructure, modules: dict[int, ModuleNode], step: int | None) -> list[Finding]:
+    """Registered parameters with requires_grad=False: one info per frozen subtree (the highest module whose registered
+    parameters are all frozen, and none of whose tensors trains), one per frozen tensor of a module that also trains
+    (a frozen bias); more than MAX_FROZEN_FINDINGS of those are one info at the root."""
+    frozen = [t for t in s.tensors if t.kind == TensorKind.PARAMETER and not t.requires_grad]
+    if not frozen:
+        return []
+    # per module, its subtree's frozen parameters (tensors, numbers, held by an optimizer) and whether any tensor in
+    # it trains; children before parents (deepest first), each adding to its parent
+    n_frozen: dict[int, list[int]] = {}
+    trains: set[int] = set()
+    for t in s.tensors:
+        if t.module_id is None or t.module_id not in modules:
+            continue
+        if t.kind == TensorKind.PARAMETER and not t.requires_grad:
+            c = n_frozen.setdefault(t.module_id, [0, 0, 0])
+            c[0] += 1
+            c[1] += t.numel
+            c[2] += t.in_optimizer
+        elif t.trainable and t.requires_grad:
+            trains.add(t.module_id)
+    for node in sorted(modules.values(), key=lambda n: -n.depth):
+        parent = node.parent_id
+        if parent is None or parent not in modules:
+            continue
+        if node.module_id in trains:
+            trains.add(parent)
+        own = n_frozen.get(node.module_id)
+        if own is not None:
+            pc = n_frozen.setdefault(parent, [0, 0, 0])
+            for i in range(3):
+                pc[i] += own[i]
+
+    def all_frozen(mid: int | None) -> bool:
+        return mid is not None and mid in n_frozen and mid not in trains and \
+            modules[mid].kind == ModuleKind.REGISTERED
+
+    subtrees = [n for n in modules.values() if all_frozen(n.module_id) and not all_frozen(n.parent_id)]
+    alone = [t for t in frozen if not all_frozen(t.module_id)]
+    if len(subtrees) + len(alone) > MAX_FROZEN_FINDINGS:
+        names = [n.path for n in subtrees] + [t.path for t in alone]
+        return [findings.frozen_parameters_many(names, len(subtrees), len(frozen), sum(t.numel for t in frozen),
+                                                sum(t.in_optimizer for t in frozen), step)]
+    out = [findings.frozen_module(n.path, n.type, (c := n_frozen[n.module_id])[0], c[1], c[2], step)
+           for n in subtrees]
+    out += [findings.frozen_parameter(t.path, t.shape, t.in_optimizer, step) for t in alone]
+    return out

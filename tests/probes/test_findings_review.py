@@ -223,3 +223,80 @@ def test_a_dead_layer_whose_input_is_alive_stays_a_root_cause(run_dir):
     assert [(p, f.cause) for p, f in found.items()] == [("3", None)]
     found = _dead_findings(TwoBranches(), run_dir / "branches")
     assert sorted((p, f.cause) for p, f in found.items()) == [("a.1", None), ("b.1", None)]
+
+
+# ------------------------------------------------------------------------- 3. a frozen backbone is one info
+class FineTuned(nn.Module):
+    """A frozen backbone (a ResNet's), a neck whose bias is frozen inside a Linear that trains, a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        import zoo
+        self.backbone = zoo.ResNetSmall(num_classes=16)
+        self.neck = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.backbone.requires_grad_(False)
+        self.neck.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.neck(self.backbone(x))))
+
+
+def _frozen(model, run_dir, steps=2):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(steps):
+            loss = F.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.randint(0, 4, (4,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        return [f for f in w.findings() if f.code == "frozen-parameter"], w
+
+
+def test_a_frozen_backbone_is_one_info_and_a_frozen_tensor_in_a_trained_module_its_own(run_dir):
+    model = FineTuned()
+    found, w = _frozen(model, run_dir)
+    assert sorted((f.path, f.severity) for f in found) == [("backbone", "info"), ("neck.bias", "info")], \
+        [str(f) for f in found]
+    backbone = next(f for f in found if f.path == "backbone")
+    tensors = list(model.backbone.parameters())
+    assert backbone.evidence["tensors"] == len(tensors)
+    assert backbone.evidence["parameters"] == sum(p.numel() for p in tensors)
+    assert f"in {len(tensors)} tensors, all requires_grad=False" in backbone.message
+    # drawn on the backbone's module in the tree
+    from helpers import stored
+    assert stored(w, "SELECT m.path FROM findings f JOIN modules m USING (rank, module_id) "
+                     "WHERE f.code = 'frozen-parameter' AND f.path = 'backbone'") == [("backbone",)]
+
+
+class LoRA(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.A = nn.Linear(base.in_features, 2, bias=False)
+        self.B = nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.B(self.A(x))
+
+
+def test_many_frozen_modules_around_adapters_are_one_info_at_the_root(run_dir):
+    """LoRA on every Linear of a 12-block MLP: each block's base Linear and its norm are frozen, 24 subtrees (290 infos
+    on LLaMA-7B): one info at the root that counts them."""
+    blocks = []
+    for _ in range(12):
+        blocks += [LoRA(nn.Linear(16, 16)), nn.LayerNorm(16)]
+    model = nn.Sequential(nn.Flatten(), nn.Linear(768, 16), *blocks, nn.Linear(16, 4))
+    for m in model.modules():
+        if not isinstance(m, LoRA) and m is not model:
+            m.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, LoRA):
+            m.A.requires_grad_(True)
+            m.B.requires_grad_(True)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    found, _ = _frozen(model, run_dir)
+    assert [(f.path, f.severity) for f in found] == [("", "info")], [str(f) for f in found]
+    assert found[0].evidence["tensors"] == len(frozen) and found[0].evidence["modules"] == 26
+    assert "2.base" in found[0].evidence["examples"]
