@@ -395,8 +395,8 @@ class Backbone(nn.Module):
 
 
 def test_frozen_backbone_with_low_rank_adapters(run_dir):
-    """Base weights requires_grad=False and in no optimizer: frozen on purpose, an info each, never not-in-optimizer;
-    the adapters train (B from zero: its first gradient moves A not at all)."""
+    """Base weights requires_grad=False and in no optimizer: frozen on purpose, an info per frozen module, never
+    not-in-optimizer; the adapters train (B from zero: its first gradient moves A not at all)."""
     model = Backbone()
     model.requires_grad_(False)
     model.l1, model.l2 = LoRALinear(model.l1), LoRALinear(model.l2)
@@ -409,9 +409,7 @@ def test_frozen_backbone_with_low_rank_adapters(run_dir):
             opt.step()
             w.step(loss)
         assert anything(w, EXPECTED | {"frozen-parameter"}) == []
-        assert {f.path for f in w.findings()} == {"emb.weight", "l1.base.weight", "l1.base.bias", "l2.base.weight",
-                                                  "l2.base.bias", "norm.weight", "norm.bias", "head.weight",
-                                                  "head.bias"}
+        assert {f.path for f in w.findings()} == {"emb", "l1.base", "l2.base", "norm", "head"}   # one per module
         assert {f.severity for f in w.findings()} == {"info"}
         assert not w.probe_errors, w.probe_errors
 
