@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .findings import Finding, sort_findings
+from .notebook import ipython_shell
 from .rundir import agree_run_id
 from .structural import structural_findings
 from .structure import build_structure, normalize_optimizers, unwrap
@@ -94,14 +95,11 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
 
 def _notebook_cell_site() -> tuple[tuple[str, int], object] | None:
     """((file, line), execution count) of a watch() called by the top-level code of an IPython cell (or of a
-    script IPython's %run runs); None elsewhere. IPython is never imported here."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
+    script IPython's %run runs); None elsewhere."""
+    shell = ipython_shell()
+    if shell is None:
         return None
     try:
-        shell = ipython.get_ipython()
-        if shell is None:
-            return None
         frame = sys._getframe(2)                      # watch()'s caller
         if frame.f_code.co_name != "<module>":       # inside a function: called as often as the code wants
             return None

@@ -27,8 +27,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["on_cell_end", "show", "stop_all"]
+__all__ = ["ipython_shell", "on_cell_end", "show", "stop_all"]
 
 START_TIMEOUT_S = 60.0        # how long show() waits for the dashboard to answer (a cold start imports Dash)
 DEFAULT_HEIGHT = 650
@@ -85,17 +86,26 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
-def on_cell_end(callback: Callable[[], None]) -> Callable[[], None] | None:
-    """Call ``callback`` after every cell the IPython shell of this process runs (its ``post_run_cell``
-    event), also after a cell that raised or was interrupted; returns the function that stops it, or None
-    outside IPython (IPython is never imported here: a script that has not imported it has no shell)."""
+def ipython_shell() -> Any | None:
+    """The IPython shell that runs this process's cells, or None (IPython is never imported here: a process that
+    has not imported it has no shell)."""
     ipython = sys.modules.get("IPython")
     if ipython is None:
         return None
     try:
-        shell = ipython.get_ipython()
-        if shell is None:
-            return None
+        return ipython.get_ipython()
+    except Exception:                    # an unusual IPython: as without one
+        return None
+
+
+def on_cell_end(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback`` after every cell the IPython shell of this process runs (its ``post_run_cell``
+    event), also after a cell that raised or was interrupted; returns the function that stops it, or None
+    outside IPython."""
+    shell = ipython_shell()
+    if shell is None:
+        return None
+    try:
         events = shell.events
 
         def after_cell(*args: object) -> None:

@@ -23,6 +23,24 @@ def anything(w, expected=EXPECTED):
     return [str(f) for f in w.findings() if f.code not in expected]
 
 
+def assert_healthy_hf(model, run_dir, steps, inputs, after_step=None):
+    """Train a Hugging Face model (its loss from ``labels``) with AdamW for ``steps`` steps, ``inputs()`` giving each
+    step's keyword arguments and ``after_step(step)`` run after each: no finding but tied weights, no probe error."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(steps):
+            out = model(**inputs())
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            w.step(out.loss)
+            if after_step is not None:
+                after_step(step)
+        assert anything(w) == []
+        assert not w.probe_errors, w.probe_errors
+
+
 # ----------------------------------------------------------------------------- mixture of experts
 class Expert(nn.Module):
     def __init__(self, d, h):
@@ -166,19 +184,10 @@ def _hf_moe(name):
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_hugging_face_mixture_of_experts(name, run_dir):
     """Three tokens a step among 8 experts: the router skips most of them in every step."""
-    model = _hf_moe(name)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(6):
-            ids = torch.randint(1, 100, (1, 3))
-            out = model(input_ids=ids, labels=ids)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            w.step(out.loss)
-        assert anything(w) == []
-        assert not w.probe_errors, w.probe_errors
+    def inputs():
+        ids = torch.randint(1, 100, (1, 3))
+        return {"input_ids": ids, "labels": ids}
+    assert_healthy_hf(_hf_moe(name), run_dir, 6, inputs)
 
 
 def test_switch_transformers_experts_in_a_module_dict(run_dir):
@@ -190,17 +199,8 @@ def test_switch_transformers_experts_in_a_module_dict(run_dir):
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=8,
         expert_capacity=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0,
         pad_token_id=0))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(6):
-            out = model(input_ids=torch.randint(1, 100, (1, 4)), labels=torch.randint(1, 100, (1, 3)))
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            w.step(out.loss)
-        assert anything(w) == []
-        assert not w.probe_errors, w.probe_errors
+    assert_healthy_hf(model, run_dir, 6, lambda: {"input_ids": torch.randint(1, 100, (1, 4)),
+                                                  "labels": torch.randint(1, 100, (1, 3))})
 
 
 # ----------------------------------------------------------------------------- LLaMA, ViT
@@ -209,18 +209,11 @@ def test_llama(run_dir):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(8):
-            ids = torch.randint(1, 100, (2, 12))
-            out = model(input_ids=ids, labels=ids)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            w.step(out.loss)
-        assert anything(w) == []
-        assert not w.probe_errors, w.probe_errors
+
+    def inputs():
+        ids = torch.randint(1, 100, (2, 12))
+        return {"input_ids": ids, "labels": ids}
+    assert_healthy_hf(model, run_dir, 8, inputs)
 
 
 def test_vit(run_dir):
@@ -228,22 +221,15 @@ def test_vit(run_dir):
     model = transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, num_labels=5))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for step in range(8):
-            out = model(pixel_values=torch.randn(4, 3, 16, 16), labels=torch.randint(0, 5, (4,)))
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            w.step(out.loss)
-            if step % 4 == 3:
-                model.eval()
-                with torch.no_grad():
-                    model(pixel_values=torch.randn(4, 3, 16, 16))
-                model.train()
-        assert anything(w) == []
-        assert not w.probe_errors, w.probe_errors
+
+    def validate(step):
+        if step % 4 == 3:
+            model.eval()
+            with torch.no_grad():
+                model(pixel_values=torch.randn(4, 3, 16, 16))
+            model.train()
+    assert_healthy_hf(model, run_dir, 8, lambda: {"pixel_values": torch.randn(4, 3, 16, 16),
+                                                  "labels": torch.randint(0, 5, (4,))}, validate)
 
 
 # ----------------------------------------------------------------------------- training patterns
@@ -464,19 +450,12 @@ def test_gpt2_rollouts_in_train_mode_with_dropout_off(run_dir):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
-        for _ in range(3):
-            with torch.no_grad():
-                ids = model.generate(torch.randint(1, 100, (2, 4)), max_new_tokens=4, do_sample=True, pad_token_id=0)
-            out = model(input_ids=ids, labels=ids)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            w.step(out.loss)
-        assert anything(w) == []
-        assert not w.probe_errors, w.probe_errors
+
+    def rollout():                                  # sampled under no_grad, in train mode
+        with torch.no_grad():
+            ids = model.generate(torch.randint(1, 100, (2, 4)), max_new_tokens=4, do_sample=True, pad_token_id=0)
+        return {"input_ids": ids, "labels": ids}
+    assert_healthy_hf(model, run_dir, 3, rollout)
 
 
 # ----------------------------------------------------------------------------- a confident output layer
