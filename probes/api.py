@@ -119,10 +119,10 @@ def close_cell_watcher(position: tuple[str, int], execution_count: object) -> No
     if entry[1] == execution_count:                   # the same run of the cell: a loop watching several models
         _CELL_WATCHERS[position] = entry
         return
+    previous.close()               # before the warning, which -W error turns into an exception
     warnings.warn(f"modscope: this cell ran probes.watch() again: the watcher it opened before (run "
                   f"{previous.run_id!r}, {previous.store_path}) is now closed (close a watcher with w.close() or "
                   "`with probes.watch(...)`)", stacklevel=3)
-    previous.close()
 
 
 def watcher_of(model: nn.Module) -> Watcher | None:
@@ -138,10 +138,10 @@ def close_previous_watcher(model: nn.Module) -> None:
     _WATCHED.pop(unwrap(model), None)
     if previous is None:
         return
+    previous.close()               # before the warning, which -W error turns into an exception
     warnings.warn(f"modscope: {type(unwrap(model)).__name__} was already watched by run {previous.run_id!r} "
                   f"({previous.store_path}); that watcher is now closed, since a model is watched by one watcher "
                   "at a time (close a watcher with w.close() or `with probes.watch(...)`)", stacklevel=3)
-    previous.close()
 
 
 def process_rank() -> tuple[int, int]:

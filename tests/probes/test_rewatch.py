@@ -72,3 +72,15 @@ def test_closed_watchers_and_other_models_are_left_alone(tmp_path):
     finally:
         again.close()
         beside.close()
+
+
+def test_warnings_as_errors_still_close_the_first_watcher(tmp_path):
+    """Under -W error the warning raises in watch(): the first watcher is closed already, its hooks gone."""
+    model, opt = mlp()
+    first = probes.watch(model, opt, run_dir=tmp_path / "a", every=1)
+    train(model, opt, first, 2, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="already watched"):
+            probes.watch(model, opt, run_dir=tmp_path / "b", every=1)
+    assert first.closed and hooks_on(model) == 0
