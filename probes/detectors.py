@@ -13,9 +13,10 @@ Definitions (also in README):
   at random, and the units that die upstream are reported at the activation that kills them.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
-  MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). An output layer (no
-  trained layer ran after it in the forward: a multi-label classifier's final Sigmoid) saturates because the
-  model is confident, which stalls nothing with a log-likelihood loss: an info.
+  MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). A sigmoid-like output
+  layer (no trained layer ran after it in the forward: a multi-label classifier's final Sigmoid) saturates because
+  the model is confident, which stalls nothing with a log-likelihood loss: an info. A Tanh stays a warning (a
+  generator's or actor's final Tanh feeds a critic), and with no optimizer watched nothing is an output layer.
 - not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
   (more than a numerically zero one) and its value did not change.
 - grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
@@ -262,10 +263,13 @@ class DynamicDetectors:
             elif dead_units[mid]:
                 out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step, dead_input))
             # the activation itself: the wrappers returning its very output share its statistics
-            if saturated[mid] and view.saturation.get(mid):
-                if trained is None:
-                    trained = frozenset(m for t in view.trained_tensors for m in view.owners.get(t, ()))
-                output_layer = self._is_output_layer(mid, view, trained)
+            kind = view.saturation.get(mid) if saturated[mid] else None
+            if kind:
+                output_layer = False
+                if kind == "sigmoid":       # a probability output; a Tanh's saturation is no confidence
+                    if trained is None:
+                        trained = frozenset(m for t in view.trained_tensors for m in view.owners.get(t, ()))
+                    output_layer = self._is_output_layer(mid, view, trained)
                 out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step,
                                               output_layer=output_layer))
         return out
@@ -359,7 +363,10 @@ class DynamicDetectors:
     def _is_output_layer(self, mid: int, view: ModelView, trained: frozenset[int]) -> bool:
         """No module owning trained tensors (``trained``) ended its first call after the first call of ``mid`` in the
         latest sampled step, but the modules around it (a call ends after its children's): no trained layer runs
-        on its output, which is the model's. A generator's final Tanh, which the discriminator runs on, is hidden."""
+        on its output, which is the model's. A generator's final Tanh, which the discriminator runs on, is hidden.
+        Never when nothing trains (no optimizer watched): which layers train is unknown."""
+        if not trained:
+            return False                 # no optimizer watched: nothing says which layers train
         if self._orders is None:
             self._orders = dict(zip(*self._latest, strict=False))
         orders = self._orders

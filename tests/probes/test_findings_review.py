@@ -300,3 +300,44 @@ def test_many_frozen_modules_around_adapters_are_one_info_at_the_root(run_dir):
     assert [(f.path, f.severity) for f in found] == [("", "info")], [str(f) for f in found]
     assert found[0].evidence["tensors"] == len(frozen) and found[0].evidence["modules"] == 26
     assert "2.base" in found[0].evidence["examples"]
+
+
+# ------------------------------------------------------------------------- 6. saturated Tanh is no confident output
+def _saturated(model, run_dir, watch_optimizer=True, steps=6):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, _ = data(n=64, din=8)
+    with probes.watch(model, opt if watch_optimizer else None, run_dir=run_dir, every=1) as w:
+        for _ in range(steps):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        return {f.path: f for f in w.findings() if f.code == "saturated"}
+
+
+def test_a_saturated_hidden_tanh_watched_without_an_optimizer_is_a_warning(run_dir):
+    """probes.watch(model) with no optimizer: nothing says which layers train, so no activation is the output layer
+    (it was: every saturated activation was a 'confident model' info)."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(100)
+    found = _saturated(model, run_dir, watch_optimizer=False)
+    assert found["1"].severity == "warning"
+    assert "confident" not in found["1"].message
+
+
+def test_a_saturated_final_tanh_is_a_warning_and_a_final_sigmoid_an_info(run_dir):
+    """A generator (actor) watched alone whose final Tanh feeds an unwatched critic: a Tanh's saturation is no
+    confident probability, a warning; a final Sigmoid stays the confident output layer's info."""
+    gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Tanh())
+    with torch.no_grad():
+        gen[2].weight.mul_(100)
+    found = _saturated(gen, run_dir)
+    assert found["3"].severity == "warning"
+    assert "confident" not in found["3"].message
+    clf = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Sigmoid())
+    with torch.no_grad():
+        clf[2].weight.mul_(100)
+    found = _saturated(clf, run_dir / "clf")
+    assert found["3"].severity == "info"
