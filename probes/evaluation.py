@@ -7,6 +7,7 @@ hands back store operations. No hooks, no I/O.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import operator
@@ -39,8 +40,8 @@ class DecodedStep:
     tensors: TensorColumns
 
 
-# sampled training steps (an optimizer stepped, a gradient reached the model) with no gradient reaching a parameter
-# no optimizer holds before it is called frozen in effect
+# sampled training steps (an optimizer stepped, a gradient reached the model) in which a parameter no optimizer holds
+# had gradient hooks, with no gradient reaching it (none arrived, its .grad unset), before it is called frozen in effect
 UNREACHED_SAMPLES = 2
 
 
@@ -53,9 +54,11 @@ class Evaluator:
         self.static: list[Finding] = []           # what the structure walk shows
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
         self._moved: dict[int, int] = {}
-        # tensors a gradient reached in any sampled training step, and how many such steps were seen
+        # tensors no optimizer holds that a gradient reached in a sampled training step (it arrived in that step,
+        # or their .grad was set at its end: nothing zeroes such a tensor, so a gradient of an unsampled step stays),
+        # and per tensor, the sampled training steps it had gradient hooks in (since it entered the index)
         self._reached: set[int] = set()
-        self._training_samples = 0
+        self._orphan_samples: collections.Counter[int] = collections.Counter()
 
     def active(self) -> list[Finding]:
         return self.tracker.active()
@@ -87,9 +90,19 @@ class Evaluator:
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
         self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
         if rec.optimizer_stepped and rec.arrived:
-            self._reached |= rec.arrived
-            self._training_samples += 1
+            self._count_orphans(rec, rec.index or index)
         return self.publish(step, index, runtime, sampled=True)
+
+    def _count_orphans(self, rec: StepRecord, hooked: ModelIndex) -> None:
+        """A sampled training step seen by the tensors no optimizer holds of the index the step was hooked with;
+        those whose .grad is set at its end (measured by the step, ``rec.grads``) or that a gradient reached in it
+        were reached."""
+        orphans = hooked.orphan_tensors()
+        if not orphans:
+            return
+        self._orphan_samples.update(orphans)                # C-level passes: an EMA copy holds every tensor
+        self._reached |= rec.arrived.intersection(orphans)
+        self._reached |= rec.grads.ids().intersection(orphans)
 
     # ------------------------------------------------------------------------------ every step
     def forwards(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], step_ended: bool) -> None:
@@ -114,8 +127,9 @@ class Evaluator:
 
     def _static_now(self, index: ModelIndex) -> list[Finding]:
         """The structure's findings, with what the sampled steps add: a parameter no optimizer holds that no
-        gradient reached in UNREACHED_SAMPLES sampled training steps is frozen in effect (an info)."""
-        if self._training_samples < UNREACHED_SAMPLES:
+        gradient reached in the UNREACHED_SAMPLES sampled training steps since it entered the index is frozen in
+        effect (an info)."""
+        if not self._orphan_samples:
             return self.static
         ids: dict[str, int] | None = None
         out = []
@@ -124,8 +138,9 @@ class Evaluator:
                 if ids is None:             # made only when the model has such a parameter
                     ids = {t.path: t.param_id for t in index.structure.tensors}
                 tid = ids.get(found.path)
-                if tid is not None and tid not in self._reached:
-                    found = findings.not_in_optimizer_unreached(found, self._training_samples)  # noqa: PLW2901
+                samples = self._orphan_samples.get(tid, 0) if tid is not None else 0
+                if samples >= UNREACHED_SAMPLES and tid not in self._reached:
+                    found = findings.not_in_optimizer_unreached(found, samples)  # noqa: PLW2901
             out.append(found)
         return out
 

@@ -179,8 +179,9 @@ def not_in_optimizer_unreached(found: Finding, samples: int) -> Finding:
     return dataclasses.replace(
         found, severity=str(Severity.INFO),
         message=f"{path} requires grad and no param group of the watched optimizer(s) holds it, but no gradient "
-                f"has reached it in any sampled training step (it runs under no_grad or detached: a frozen feature "
-                "extractor, a target network, a teacher): nothing trains it, as intended if it is frozen.",
+                f"has reached it in the {samples:,} sampled training steps since it appeared, and its .grad is "
+                "unset (it runs under no_grad or detached: a frozen feature extractor, a target network, a teacher): "
+                "nothing trains it, as intended if it is frozen.",
         fix="Say it is frozen: requires_grad_(False) on it (or on its module). If it should train, the graph to "
             "the loss is cut (a .detach() or torch.no_grad()), and the optimizer must hold it too.",
         evidence={**found.evidence, "gradient_reached": False, "sampled_training_steps": samples})

@@ -1,0 +1,58 @@
+"""Findings checked against a second review: a not-in-optimizer error is frozen in effect (an info) only after 2
+sampled training steps of that tensor show no gradient (a head swapped mid-run is no teacher; a head used on steps
+that are not sampled keeps its .grad); no-gradient is judged per optimizer that stepped (one optimizer per part);
+grad-accumulating says what was seen and how many tensors are zeroed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from helpers import by_code
+
+import probes
+
+
+def not_in_optimizer(w, prefix: str) -> set[str]:
+    return {f.severity for f in by_code(w.findings()).get("not-in-optimizer", []) if f.path.startswith(prefix)}
+
+
+def test_a_head_swapped_in_mid_run_and_left_out_of_the_optimizer_stays_an_error(run_dir):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    with probes.watch(m, opt, run_dir=run_dir, every=10) as w:
+        for step in range(36):
+            if step == 25:
+                m[2] = nn.Linear(16, 1)          # opt.add_param_group forgotten
+            loss = m(torch.randn(32, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert not_in_optimizer(w, "2.") == {"error"}
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.head_a = nn.Linear(16, 1)
+        self.head_b = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        return (self.head_a if task == 0 else self.head_b)(torch.relu(self.trunk(x)))
+
+
+def test_a_head_trained_only_in_steps_that_are_not_sampled_stays_an_error(run_dir):
+    torch.manual_seed(0)
+    m = TwoHeads()
+    opt = torch.optim.SGD([*m.trunk.parameters(), *m.head_a.parameters()], lr=1e-2)    # head_b forgotten
+    with probes.watch(m, opt, run_dir=run_dir, every=2) as w:
+        for step in range(12):
+            loss = m(torch.randn(32, 8), step % 2).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert not_in_optimizer(w, "head_b.") == {"error"}
+
