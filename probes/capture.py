@@ -177,6 +177,7 @@ class StepRecord:
     touched: dict[int, tensor_stats.TouchedRows] = dataclasses.field(default_factory=dict)
     table_updates: PerTensor = dataclasses.field(default_factory=PerTensor)      # change in those rows
     orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
+    stepped: set[int] = dataclasses.field(default_factory=set)     # the watched optimizers that stepped (their index)
     orphans_checked: bool = False
     modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
@@ -707,6 +708,7 @@ class StepCapture:
         rec = self.record
         if rec is None:
             return
+        rec.stepped.add(opt_index)
         baseline = rec.baselines.pop(opt_index, None)
         if baseline is not None:
             self.measure_updates(rec, baseline)

@@ -87,7 +87,8 @@ class Evaluator:
             gradless=gradless_candidates(rec, index),
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
-            optimizer_skipped=optimizers_watched and not rec.optimizer_stepped), index)
+            optimizer_skipped=optimizers_watched and not rec.optimizer_stepped,
+            stepped=frozenset(rec.stepped)), index)
         self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
         if rec.optimizer_stepped and rec.arrived:
             self._count_orphans(rec, rec.index or index)

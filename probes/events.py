@@ -13,7 +13,7 @@ there is evidence of the fix, or to the end of the run:
   when they get gradients in a step the module was called in. A module with no forward of its own (ParameterList,
   ParameterDict, a holder of a mixture of experts' stacked weights) has none to bypass: never reported.
 - no-gradient: a trained tensor's module ran in the training forward of GRADLESS_SAMPLES sampled steps that trained
-  its optimizer (a gradient reached another tensor it holds), and no gradient reached the tensor; fixed when one does.
+  its optimizer (that optimizer stepped), and no gradient reached the tensor; fixed when one does.
 - non-finite: the origin of an episode of NaN/Inf values is the first module, in execution order, of the
   episode's first step (or the loss, when that step was not sampled); later steps of the episode add
   evidence, never a new origin. A finding about non-finite values stays to the end of the run.
@@ -61,6 +61,7 @@ class SampledEvents:
     bad_modules: Sequence[NonFiniteModule]      # in execution order
     bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
     optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
+    stepped: frozenset[int] = frozenset()       # the watched optimizers that stepped (their index)
 
 
 # sampled steps in which a trained tensor's module ran and no gradient reached it before it is reported (one could be
@@ -198,12 +199,13 @@ class EventBook:
 
     @staticmethod
     def _trained_by_the_step(ev: SampledEvents, view: ModelView) -> list[GradlessCandidate]:
-        """The candidates whose optimizer the step trained: a gradient reached some other tensor it holds. A step in
-        which another optimizer stepped alone (a GAN's critic trained five times per generator step, the generator
-        running in each for its samples) is not expected to reach this one's tensors."""
+        """The candidates whose optimizer stepped in the step. A step in which another optimizer stepped alone (a
+        GAN's critic trained five times per generator step, the generator running in each for its samples) is not
+        expected to reach this one's tensors; one that stepped is, even when no gradient reached any tensor it holds
+        (a backbone with an optimizer of its own run under no_grad by mistake)."""
         if not ev.gradless:
             return []
-        trained = {g[0] for t in ev.arrived if view.tensor_known(t) and (g := view.tensor_group(t)) is not None}
+        trained = ev.stepped
         return [c for c in ev.gradless if view.tensor_known(c.tensor_id)
                 and (g := view.tensor_group(c.tensor_id)) is not None and g[0] in trained]
 

@@ -56,3 +56,34 @@ def test_a_head_trained_only_in_steps_that_are_not_sampled_stays_an_error(run_di
             w.step(loss)
         assert not_in_optimizer(w, "head_b.") == {"error"}
 
+
+class FrozenByMistake(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():            # the bug: meant for a warm-up only
+            h = self.backbone(x)
+        return self.head(h)
+
+
+def test_no_gradient_to_a_part_with_an_optimizer_of_its_own(run_dir):
+    torch.manual_seed(0)
+    m = FrozenByMistake()
+    opt_b = torch.optim.SGD(m.backbone.parameters(), lr=1e-4)
+    opt_h = torch.optim.SGD(m.head.parameters(), lr=1e-2)
+    with probes.watch(m, [opt_b, opt_h], run_dir=run_dir, every=1) as w:
+        for _ in range(6):
+            loss = m(torch.randn(32, 8)).pow(2).mean()
+            opt_b.zero_grad()
+            opt_h.zero_grad()
+            loss.backward()
+            opt_b.step()
+            opt_h.step()
+            w.step(loss)
+        found = by_code(w.findings()).get("no-gradient", [])
+        assert [f.path for f in found] == ["backbone.0"]
+        assert "backbone.0.weight" in found[0].message
+
