@@ -9,7 +9,8 @@ Definitions (also in README):
   need at least ``MIN_SAMPLES`` calls of the module within the window, and either a call in every sampled step
   of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
   pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few inputs routed to a
-  sometimes-skipped module do not show that a unit never activates. Never at a dropout module: its zeros are drawn
+  sometimes-skipped module do not show that a unit never activates (a constant output needs no more: it does not
+  depend on the units). Never at a dropout module: its zeros are drawn
   at random, and the units that die upstream are reported at the activation that kills them.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
@@ -234,8 +235,8 @@ class DynamicDetectors:
         flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
         trained: frozenset[int] | None = None       # the modules owning trained tensors, made when needed
         wrappers = self._wrappers((constant | dead_layer | dead_units).nonzero().flatten().tolist(), view)
-        judged = {mid: None if _drops_at_random(view, mid) else self._enough_for_dead(mid) for mid in flagged
-                  if view.has_module(mid)}
+        judged = {mid: None if _drops_at_random(view, mid) else self._enough_for_dead(mid, bool(constant[mid]))
+                  for mid in flagged if view.has_module(mid)}
         # a dropout is not judged, but passes a dead input on (zeros stay zeros): a link of the chain
         dead_inputs = self._dead_inputs(
             [m for m in flagged if judged.get(m) is not None and m not in wrappers
@@ -338,10 +339,11 @@ class DynamicDetectors:
         shown = set(reported)       # the first dead layer must be reported (not a dropout, not a wrapper)
         return {m: link for m in reported if (link := chain.get(m)) is not None and link[1] in shown}
 
-    def _enough_for_dead(self, mid: int) -> int | None:
+    def _enough_for_dead(self, mid: int, constant: bool = False) -> int | None:
         """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when
         they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or a module
-        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit."""
+        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit. A ``constant``
+        output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
         c = self.calls
         if mid >= c.count.numel():
             return None
@@ -350,13 +352,14 @@ class DynamicDetectors:
         n = int(inside.sum())
         if n < MIN_SAMPLES:
             return None
-        if n >= min(self.window, self.samples):
+        if constant or n >= min(self.window, self.samples):
             return n                       # called in every sampled step of the window
         sizes = [int(v) for v in numel[inside].tolist() if v > 0]
         if not sizes:
             return None
         # every output holds (units x rows) values, so the sizes' gcd is a multiple of the units: the window held at
-        # least sum / gcd values per unit (exactly that when the routed batches differ in size)
+        # least sum / gcd values per unit (exactly that when the routed batches differ in size). The units are not
+        # among a step's decoded columns, so this lower bound is all the detectors know (n when the sizes are equal)
         rows = sum(sizes) // math.gcd(*sizes)
         return n if rows >= SPARSE_ROWS else None
 

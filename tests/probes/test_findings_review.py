@@ -341,3 +341,43 @@ def test_a_saturated_final_tanh_is_a_warning_and_a_final_sigmoid_an_info(run_dir
         clf[2].weight.mul_(100)
     found = _saturated(clf, run_dir / "clf")
     assert found["3"].severity == "info"
+
+
+# ------------------------------------------------------------------------- 7. a head skipped every other step
+class TwoHeads(nn.Module):
+    """A multi-task model alternating heads per step; head A's ReLU is dead (bias -100)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+        self.a_fc, self.a_act, self.a_out = nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+        self.b_fc, self.b_act, self.b_out = nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+        with torch.no_grad():
+            self.a_fc.bias.fill_(-100.0)
+
+    def forward(self, x, task):
+        h = self.trunk(x)
+        if task == 0:
+            return self.a_out(self.a_act(self.a_fc(h)))
+        return self.b_out(self.b_act(self.b_fc(h)))
+
+
+def test_a_dead_layer_in_a_head_called_every_other_step_is_reported(run_dir):
+    """A head called on even steps only, with fixed batches: its dead ReLU (constant 0) was never judged (the values
+    per unit of a sometimes-called module were estimated as its number of calls, never 64); a constant output over
+    3 calls is evidence by itself. The healthy head stays quiet."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(10):
+            loss = model(torch.randn(64, 8, generator=g), step % 2).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = {f.path: f for f in w.findings() if f.code in ("dead-layer", "dead-units")}
+    assert found["a_act"].code == "dead-layer"
+    assert not [p for p in found if p.startswith("b_")]
+
