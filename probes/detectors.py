@@ -10,8 +10,12 @@ Definitions (also in README):
   of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
   pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few inputs routed to a
   sometimes-skipped module do not show that a unit never activates (a constant output needs no more: it does not
-  depend on the units). Never at a dropout module: its zeros are drawn
-  at random, and the units that die upstream are reported at the activation that kills them.
+  depend on the units). At a dropout module in training (the only module showing the dead units of a functional
+  activation: nn.TransformerEncoderLayer's F.relu) only when the chance that a live unit's values were all dropped
+  over the window, p ** its values per unit (per channel or sample for Dropout2d and drop-path), is below
+  DROPPED_ALL; in eval mode a dropout is the identity, judged as any module. Never at a dropout whose input (the
+  module that ended just before it) is flagged: the units that die upstream are reported at the activation that
+  kills them.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
   MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). A sigmoid-like output
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -58,6 +62,9 @@ NEVER_ZEROED = 0.9
 # a gradient below this fraction of the tensor's norm is numerically zero (a bias before BatchNorm): no
 # optimizer step is expected to move the tensor by it
 NEGLIGIBLE_GRAD = 1e-6
+# a dropout module's units are judged only when the chance that a live unit's values were all dropped over the window
+# (p ** independent draws) is below this
+DROPPED_ALL = 1e-6
 _NAN = float("nan")
 
 
@@ -186,6 +193,7 @@ class DynamicDetectors:
         # the latest sampled step's modules and the execution order of their first calls (a dict made when needed)
         self._latest: tuple[list[int], list[int]] = ([], [])
         self._orders: dict[int, int] | None = None
+        self._at: dict[int, int] = {}       # module -> its place in that order (made with :meth:`_preceding`)
         self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr"))
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
@@ -235,9 +243,17 @@ class DynamicDetectors:
         flagged = (constant | dead_layer | dead_units | saturated).nonzero().flatten().tolist()
         trained: frozenset[int] | None = None       # the modules owning trained tensors, made when needed
         wrappers = self._wrappers((constant | dead_layer | dead_units).nonzero().flatten().tolist(), view)
-        judged = {mid: None if _drops_at_random(view, mid) else self._enough_for_dead(mid, bool(constant[mid]))
+        judged = {mid: self._enough_for_dead(mid, bool(constant[mid]), _drop_probability(view, mid))
                   for mid in flagged if view.has_module(mid)}
-        # a dropout is not judged, but passes a dead input on (zeros stay zeros): a link of the chain
+        # a dropout whose input is flagged shows its input's dead units: reported at the activation that kills them
+        dropouts = [m for m in flagged if judged.get(m) is not None and m not in wrappers and _drops_at_random(view, m)]
+        if dropouts:
+            shown = {m for m in flagged if bool(constant[m] | dead_layer[m] | dead_units[m])}
+            preceding = self._preceding(wrappers, view)
+            for m in dropouts:
+                if preceding(m) in shown:
+                    judged[m] = None
+        # an unjudged dropout passes a dead input on (zeros stay zeros): a link of the chain
         dead_inputs = self._dead_inputs(
             [m for m in flagged if judged.get(m) is not None and m not in wrappers
              and bool(constant[m] | dead_layer[m] | dead_units[m])],
@@ -308,11 +324,24 @@ class DynamicDetectors:
         Only the rare step that flags two dead modules pays for the order."""
         if not dead or len(reported) < 2:
             return {}
+        before = self._preceding(wrappers, view)
+        at = self._at
+        chain: dict[int, tuple[int, int]] = {}
+        for mid in sorted((m for m in {*reported, *dead} if m in at), key=at.__getitem__):
+            prev = before(mid)
+            if prev is not None and prev in dead and prev != mid:
+                chain[mid] = (prev, chain[prev][1] if prev in chain else prev)
+        shown = set(reported)       # the first dead layer must be reported (not a dropout, not a wrapper)
+        return {m: link for m in reported if (link := chain.get(m)) is not None and link[1] in shown}
+
+    def _preceding(self, wrappers: set[int], view: ModelView) -> Callable[[int], int | None]:
+        """The module whose output is a module's input: the one that ended last before it started in the latest
+        sampled step's execution order (its own children excluded; a wrapper returning its child's output: that
+        child), None when unknown. Made only when a step flags a dropout or two dead modules."""
         if self._orders is None:
             self._orders = dict(zip(*self._latest, strict=False))
-        orders = self._orders
-        seq = sorted((o, m) for m, o in orders.items())
-        at = {m: i for i, (_, m) in enumerate(seq)}
+        seq = sorted((o, m) for m, o in self._orders.items())
+        at = self._at = {m: i for i, (_, m) in enumerate(seq)}
 
         def inside(mid: int, ancestor: int) -> bool:
             node, seen = view.modules.get(mid), set()
@@ -324,6 +353,8 @@ class DynamicDetectors:
             return False
 
         def before(mid: int) -> int | None:
+            if mid not in at:
+                return None
             i = at[mid] - 1
             while i >= 0 and inside(seq[i][1], mid):      # its own children ran inside it, on its input
                 i -= 1
@@ -331,19 +362,14 @@ class DynamicDetectors:
                 i -= 1
             return seq[i][1] if i >= 0 else None
 
-        chain: dict[int, tuple[int, int]] = {}
-        for mid in sorted((m for m in {*reported, *dead} if m in at), key=at.__getitem__):
-            prev = before(mid)
-            if prev is not None and prev in dead and prev != mid:
-                chain[mid] = (prev, chain[prev][1] if prev in chain else prev)
-        shown = set(reported)       # the first dead layer must be reported (not a dropout, not a wrapper)
-        return {m: link for m in reported if (link := chain.get(m)) is not None and link[1] in shown}
+        return before
 
-    def _enough_for_dead(self, mid: int, constant: bool = False) -> int | None:
+    def _enough_for_dead(self, mid: int, constant: bool = False, drop: _Drop | None = None) -> int | None:
         """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when
         they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or a module
-        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit. A ``constant``
-        output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
+        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit, or a dropout
+        training (``drop``) under which a live unit's values may all have been dropped (chance DROPPED_ALL or more).
+        A ``constant`` output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
         c = self.calls
         if mid >= c.count.numel():
             return None
@@ -352,8 +378,11 @@ class DynamicDetectors:
         n = int(inside.sum())
         if n < MIN_SAMPLES:
             return None
-        if constant or n >= min(self.window, self.samples):
-            return n                       # called in every sampled step of the window
+        if constant:
+            return n
+        every_step = n >= min(self.window, self.samples)      # called in every sampled step of the window
+        if every_step and drop is None:
+            return n
         sizes = [int(v) for v in numel[inside].tolist() if v > 0]
         if not sizes:
             return None
@@ -361,7 +390,14 @@ class DynamicDetectors:
         # least sum / gcd values per unit (exactly that when the routed batches differ in size). The units are not
         # among a step's decoded columns, so this lower bound is all the detectors know (n when the sizes are equal)
         rows = sum(sizes) // math.gcd(*sizes)
-        return n if rows >= SPARSE_ROWS else None
+        if not every_step and rows < SPARSE_ROWS:
+            return None
+        if drop is not None:
+            # independent draws per unit: each value (Dropout), else at least one per call (a channel or a sample)
+            draws = rows if drop.elementwise else n
+            if drop.p >= 1 or (drop.p > 0 and draws * math.log(drop.p) >= math.log(DROPPED_ALL)):
+                return None
+        return n
 
     def _is_output_layer(self, mid: int, view: ModelView, trained: frozenset[int]) -> bool:
         """No module owning trained tensors (``trained``) ended its first call after the first call of ``mid`` in the
@@ -481,6 +517,28 @@ def _drops_at_random(view: ModelView, mid: int) -> bool:
     reported at the activation that kills them."""
     node = view.modules.get(mid)
     return node is not None and node.module is not None and drops_at_random(node.module)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drop:
+    """A dropout module in training: its drop probability, and whether each value is drawn apart (nn.Dropout)
+    or a whole channel or sample at once (Dropout2d, DropPath)."""
+
+    p: float
+    elementwise: bool
+
+
+def _drop_probability(view: ModelView, mid: int) -> _Drop | None:
+    """The drop of a dropout module in training (p 1 when unknown: never judged); None for any other module and a
+    dropout in eval mode, the identity."""
+    node = view.modules.get(mid)
+    module = node.module if node is not None else None
+    if module is None or not drops_at_random(module) or not module.training:
+        return None
+    p = getattr(module, "p", getattr(module, "drop_prob", None))
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+        return _Drop(1.0, False)
+    return _Drop(float(p), type(module) in (torch.nn.Dropout, torch.nn.AlphaDropout))
 
 
 def _opt(x: torch.Tensor) -> float | None:

@@ -381,3 +381,41 @@ def test_a_dead_layer_in_a_head_called_every_other_step_is_reported(run_dir):
     assert found["a_act"].code == "dead-layer"
     assert not [p for p in found if p.startswith("b_")]
 
+
+# ------------------------------------------------------------------------- 8. dead units seen only at a dropout
+def _dead_units(model, run_dir, steps=12, batch=8):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(steps):
+            loss = model(torch.randn(batch, 10, 16, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        return {f.path: f for f in w.findings() if f.code in ("dead-layer", "dead-units")}
+
+
+def test_dead_units_of_a_transformer_layers_functional_relu_are_reported_at_its_dropout(run_dir):
+    """nn.TransformerEncoderLayer applies F.relu: the Dropout after it is the only module whose output shows the
+    dead FFN units. With p=0.1 and 16 sampled steps a live unit's values are all dropped with chance far below 1e-6:
+    judged (dropouts were never judged)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=64, dropout=0.1, batch_first=True)
+    with torch.no_grad():
+        layer.linear1.bias[:32] = -100.0          # 32 of 64 FFN units never activate
+    found = _dead_units(nn.Sequential(layer, nn.Linear(16, 1)), run_dir)
+    assert found["0.dropout"].code == "dead-units"
+    assert set(found) == {"0.dropout"}
+
+
+def test_dead_units_before_a_light_dropout_are_reported_at_the_relu_only(run_dir):
+    """A ReLU module with dead units followed by Dropout(0.1), judged now: the units that die upstream are reported
+    at the activation that kills them, not again at the dropout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[0].bias[:32] = -100.0
+    found = _dead_units(model, run_dir)
+    assert set(found) == {"1"}
+    assert found["1"].code == "dead-units"
