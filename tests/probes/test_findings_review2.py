@@ -87,3 +87,65 @@ def test_no_gradient_to_a_part_with_an_optimizer_of_its_own(run_dir):
         assert [f.path for f in found] == ["backbone.0"]
         assert "backbone.0.weight" in found[0].message
 
+
+class GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+
+def test_a_discriminator_zeroed_right_before_its_own_backward_is_not_said_never_zeroed(run_dir):
+    """Generator first: its backward goes through D, whose .grad still holds D's last gradient; opt_D.zero_grad()
+    right before D's own backward makes D step with the right gradient. The message says what was seen, and the
+    consequence only under its condition."""
+    torch.manual_seed(0)
+    gan = GAN()
+    bce = nn.functional.binary_cross_entropy_with_logits
+    opt_g = torch.optim.Adam(gan.G.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(gan.D.parameters(), 1e-3)
+    with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
+        for _ in range(6):
+            real, z = torch.randn(32, 8), torch.randn(32, 4)
+            opt_g.zero_grad()
+            fake = gan.G(z)
+            bce(gan.D(fake), torch.ones(32, 1)).backward()
+            opt_g.step()
+            opt_d.zero_grad()
+            d_loss = bce(gan.D(real), torch.ones(32, 1)) + bce(gan.D(fake.detach()), torch.zeros(32, 1))
+            d_loss.backward()
+            opt_d.step()
+        found = [f for f in w.findings() if f.code == "grad-accumulating"]
+    assert [f.path for f in found] == [""]
+    message = found[0].message
+    assert "is never called" not in message
+    assert "still held the previous step's gradient when this step's first backward added to it" in message
+    assert "Unless zero_grad() runs before each step() of optimizer 1" in message
+
+
+def test_a_tensor_left_unzeroed_does_not_say_most_others_are_zeroed(run_dir):
+    """Only the head is zeroed (2 of 8 tensors): the other 6 accumulate, each its own finding."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                      nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    with probes.watch(m, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(6):
+            loss = m(torch.randn(32, 8)).pow(2).mean()
+            m[6].zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = {f.path: f for f in w.findings() if f.code == "grad-accumulating"}
+    assert sorted(found) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    for f in found.values():
+        assert "most other tensors" not in f.message
+        assert "unless something zeroes it before step()" in f.message
+
+
+def test_the_count_of_zeroed_tensors_is_said_when_known():
+    from probes import findings
+
+    f = findings.grad_accumulating("0.weight", [0.5, 0.7], [0.2, 0.2], 5, optimizer=0, zeroed=2, judged=8)
+    assert "2 of the 8 tensors it holds that got gradients are zeroed" in f.message
+    assert f.evidence["tensors_zeroed"] == 2 and f.evidence["tensors_with_gradients"] == 8
