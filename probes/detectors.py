@@ -467,6 +467,7 @@ class DynamicDetectors:
             if group is not None:
                 held.setdefault(group[0], []).append(tid)
         never_zeroed: dict[int, int] = {}        # optimizer -> its tensors that got gradients in as many steps
+        totals: dict[int, int] = {}
         if held:
             totals = {o: len(tids) for o, tids in held.items()}
             for tid in (judged & ~rule).nonzero().flatten().tolist():     # few: most accumulate, or none is held
@@ -479,8 +480,12 @@ class DynamicDetectors:
             opt = opt_of[tid]
             if opt is not None and opt in never_zeroed:
                 continue                         # the root finding says it
-            out.append(findings.grad_accumulating(view.tensor_path(tid), [_opt(w.last("stale", k)[tid]) for k in ks],
-                                                  [_opt(w.last("grad", k)[tid]) for k in ks], step, opt))
+            judged_n = totals.get(opt) if opt is not None else None
+            out.append(findings.grad_accumulating(
+                view.tensor_path(tid), [_opt(w.last("stale", k)[tid]) for k in ks],
+                [_opt(w.last("grad", k)[tid]) for k in ks], step, opt,
+                zeroed=judged_n - len(held[opt]) if judged_n is not None and opt is not None else None,
+                judged=judged_n))
         if never_zeroed:
             opts = sorted(never_zeroed)
             out.append(findings.gradients_never_zeroed(

@@ -72,6 +72,10 @@ def test_a_part_of_the_model_left_unzeroed_is_reported_per_tensor(run_dir):
         found = {f.path: f for f in w.findings() if f.code == "grad-accumulating"}
     assert sorted(found) == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
     assert "steps with that growing sum" in found["stem.weight"].message
+    stem = found["stem.weight"]
+    judged = stem.evidence["tensors_with_gradients"]        # every tensor the optimizer holds got some
+    assert judged == sum(1 for _ in model.parameters()) and judged - 4 == stem.evidence["tensors_zeroed"]
+    assert f"{judged - 4} of the {judged} tensors it holds that got gradients are zeroed" in stem.message
     assert "optimizer.zero_grad()" in found["stem.weight"].fix
 
 
