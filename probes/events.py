@@ -8,7 +8,9 @@ there is evidence of the fix, or to the end of the run:
 - train-step-in-eval-mode: an optimizer step trained on gradients of eval-mode forwards while the model
   holds Dropout/BatchNorm-like modules; fixed by a later step trained in train mode.
 - training-mode-mismatch: a module ran with a training flag other than the model's; fixed when it is seen
-  again in step with the model in that mode.
+  again in step with the model in that mode. Also (one warning) normalization layers with frozen parameters inside
+  frozen blocks that ran in training mode in a step that trained: their running statistics still move; fixed when
+  seen in eval mode (or trainable) in such a step.
 - forward-bypassed: a module's parameters got gradients in a step its ``__call__`` never ran in; fixed
   when they get gradients in a step the module was called in. A module with no forward of its own (ParameterList,
   ParameterDict, a holder of a mixture of experts' stacked weights) has none to bypass: never reported.
@@ -83,6 +85,8 @@ class EventBook:
         # a normalization layer ran in training mode with the model in the latest sampled step: the ones in eval
         # are not all frozen on purpose (mmdetection's norm_eval, timm's freeze_bn freeze them all)
         self._norm_trains = False
+        # module id -> seen: a normalization layer, frozen in a frozen block, ran in training mode in a training step
+        self._frozen_norm_updating: dict[int, Occurrence] = {}
         # tensor id -> (seen, owners, the evidence)
         self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
         # tensor id -> (seen, the modules of it that ran), for trained tensors no gradient reached
@@ -161,6 +165,8 @@ class EventBook:
                 if c.forward_called and not seen_b[2].forward_called:     # the stronger evidence wins
                     self._bypass[c.tensor_id] = (seen_b[0], c.module_ids, c)
             self.changed = True
+        if ev.stepped:
+            self._observe_frozen_norms(ev, view)
         flagged = {c.tensor_id for c in ev.bypass}
         for tid in [t for t in self._bypass if t not in flagged and t in ev.arrived]:
             if any(m in ev.called for m in ev.owners.get(tid, ())):
@@ -197,6 +203,21 @@ class EventBook:
             self._start_episode(NonFiniteOrigin("gradient", path, step, len(grads),
                                                 tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
 
+    def _observe_frozen_norms(self, ev: SampledEvents, view: ModelView) -> None:
+        """(A step in which a watched optimizer stepped.) The normalization layers' modes, against their parameters."""
+        for mid, (training, _) in ev.modes.items():
+            if not _is_norm(view.module_type(mid)):
+                continue
+            if training and _frozen_and_tracking(view, mid):
+                seen = self._frozen_norm_updating.get(mid)
+                if seen is None:
+                    self._frozen_norm_updating[mid] = Occurrence(ev.step, ev.step)
+                else:
+                    seen.again(ev.step)
+                self.changed = True
+            elif self._frozen_norm_updating.pop(mid, None) is not None:
+                self.changed = True                    # in eval mode now, or trained
+
     @staticmethod
     def _trained_by_the_step(ev: SampledEvents, view: ModelView) -> list[GradlessCandidate]:
         """The candidates whose optimizer stepped in the step. A step in which another optimizer stepped alone (a
@@ -232,6 +253,12 @@ class EventBook:
                                                      sorted({view.module_type(m) for m in frozen}),
                                                      min(o.first for o in seen), max(o.last for o in seen),
                                                      max(o.count for o in seen)))
+        updating = {mid: o for mid, o in self._frozen_norm_updating.items() if view.has_module(mid)}
+        if updating:
+            seen_u = list(updating.values())
+            out.append(findings.frozen_normalization_updating(
+                [view.module_path(m) for m in updating], sorted({view.module_type(m) for m in updating}),
+                min(o.first for o in seen_u), max(o.last for o in seen_u), max(o.count for o in seen_u)))
         for mid, (o, training, root_training) in mismatch.items():
             out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
                                                        root_training, o.first, o.last, o.count))
@@ -313,6 +340,30 @@ def _holder(view: ModelView, module_id: int) -> bool:
     """A module with no forward of its own (ParameterList, ParameterDict, a holder of stacked expert weights)."""
     node = view.modules.get(module_id)
     return node is not None and node.module is not None and has_no_forward(node.module)
+
+
+def _frozen_and_tracking(view: ModelView, module_id: int) -> bool:
+    """A normalization layer that updates running statistics in training mode, whose parameters are all frozen, in
+    a frozen block: the nearest enclosing module with parameters of its own beyond the layer's has none trainable.
+    (Freezing only the layers' affine parameters while the convolutions around them train is a recipe of its own:
+    their statistics must follow the changing features.)"""
+    node = view.modules.get(module_id)
+    module = node.module if node is not None else None
+    if module is None or not getattr(module, "track_running_stats", False) or getattr(module, "momentum", None) == 0:
+        return False
+    own = list(module.parameters())
+    if not own or any(p.requires_grad for p in own):
+        return False
+    parent = node.parent_id if node is not None else None
+    while parent is not None:
+        above = view.modules.get(parent)
+        if above is None or above.module is None:
+            return False
+        params = list(above.module.parameters())
+        if len(params) > len(own):
+            return not any(p.requires_grad for p in params)
+        parent = above.parent_id
+    return False
 
 
 def _is_norm(type_name: str) -> bool:

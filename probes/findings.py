@@ -499,6 +499,26 @@ def frozen_normalization(paths: Sequence[str], types: Sequence[str], first_step:
                 severity=Severity.INFO, step=step, first_step=first_step, count=count)
 
 
+def frozen_normalization_updating(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
+                                  count: int) -> Finding:
+    """Normalization layers whose parameters are frozen, inside frozen blocks, ran in training mode in training
+    steps: their running statistics still move to the batches, so the frozen part is not frozen. One warning."""
+    shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
+    one = len(paths) == 1
+    return make(FindingCode.TRAINING_MODE_MISMATCH, "",
+                f"{len(paths):,} normalization layer{'' if one else 's'} ({', '.join(types)}: {shown}) in frozen "
+                f"blocks (every parameter requires_grad=False) ran in training mode in training steps: "
+                f"{'its' if one else 'their'} running_mean and running_var keep moving to these batches, so the "
+                "frozen part still changes, and evaluation uses statistics it was never trained with.",
+                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
+                          "root_training": True, "frozen_parameters": True, "running_statistics_updated": True},
+                fix="Put them in eval mode after every model.train() (for m in frozen.modules(): if isinstance(m, "
+                    "nn.modules.batchnorm._BatchNorm): m.eval()), or replace them with "
+                    "torchvision.ops.FrozenBatchNorm2d. If adapting the statistics to new data is meant (AdaBN), "
+                    "ignore this.",
+                severity=Severity.WARNING, step=step, first_step=first_step, count=count)
+
+
 def _times(count: int) -> str:
     return "once" if count == 1 else f"{count:,} times"
 

@@ -1,0 +1,152 @@
+"""A frozen backbone (every parameter ``requires_grad=False``) left in training mode by ``model.train()``: its
+BatchNorm layers keep updating running_mean and running_var to the fine-tuning batches, so the frozen part still
+changes and evaluation uses statistics it was never trained with. One warning naming the layers; none once they
+are in eval mode (the info about frozen statistics then says it is on purpose), none where only the layers' affine
+parameters are frozen while the convolutions around them train, none for a frozen block without such layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probes
+
+
+class FineTune(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 2)
+        self.no_grad_backbone = False      # features taken under no_grad, a common way to fine-tune a head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.no_grad_backbone):
+            feats = self.backbone(x)
+        return self.head(feats)
+
+
+def train(model: nn.Module, w, steps: int, before_step=None) -> None:
+    opt = w._optimizers[0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        model.train()
+        if before_step is not None:
+            before_step(model)
+        x, y = torch.randn(4, 3, 10, 10, generator=g) * 3 + 1, torch.randint(0, 2, (4,), generator=g)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        w.step(loss)
+
+
+def frozen_backbone() -> FineTune:
+    torch.manual_seed(0)
+    model = FineTune()
+    model.backbone.requires_grad_(False)
+    return model
+
+
+def updating(w) -> list:
+    return [f for f in w.findings() if f.evidence.get("running_statistics_updated")]
+
+
+@pytest.mark.parametrize("no_grad_backbone", [False, True])
+def test_a_frozen_backbone_in_training_mode_is_a_warning(tmp_path, no_grad_backbone):
+    model = frozen_backbone()
+    model.no_grad_backbone = no_grad_backbone
+    before = model.backbone[1].running_mean.clone()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, w, 4)
+        found = updating(w)
+    assert not torch.equal(model.backbone[1].running_mean, before)     # what the finding says: they moved
+    assert len(found) == 1
+    f = found[0]
+    assert f.code == "training-mode-mismatch" and f.severity == "warning"
+    assert f.evidence["modules"] == ["backbone.1", "backbone.4"] and f.evidence["n_modules"] == 2
+    assert "running_mean" in f.message and "backbone.1" in f.message
+    assert "eval" in f.fix and "FrozenBatchNorm2d" in f.fix
+    assert f.first_step == 0 and f.count == 4
+
+
+def test_the_default_budget_finds_it_too(tmp_path):
+    model = frozen_backbone()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path) as w:
+        train(model, w, 6)
+        assert len(updating(w)) == 1
+
+
+def test_layers_put_in_eval_mode_are_frozen_on_purpose(tmp_path):
+    """The fix the warning gives: the warning goes, and the info about frozen statistics says it is meant."""
+    model = frozen_backbone()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+
+    def freeze_norms(m: FineTune) -> None:
+        for layer in m.backbone.modules():
+            if isinstance(layer, nn.BatchNorm2d):
+                layer.eval()
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, w, 3)
+        assert len(updating(w)) == 1
+        train(model, w, 3, before_step=freeze_norms)
+        assert updating(w) == []
+        assert [f for f in w.findings() if f.evidence.get("frozen_normalization")]
+
+
+def test_frozen_affine_parameters_in_a_trained_network_are_not_reported(tmp_path):
+    """A recipe of its own: the convolutions train, so the statistics must follow the changing features."""
+    torch.manual_seed(0)
+    model = FineTune()
+    for layer in model.modules():
+        if isinstance(layer, nn.BatchNorm2d):
+            layer.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, w, 4)
+        assert updating(w) == []
+
+
+def test_unfreezing_the_backbone_ends_it(tmp_path):
+    """Gradual unfreezing: once the backbone trains, its statistics are meant to move."""
+    model = frozen_backbone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)        # holds the backbone already (a common recipe)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, w, 3)
+        assert len(updating(w)) == 1
+        model.backbone.requires_grad_(True)
+        train(model, w, 2)
+        assert updating(w) == []
+
+
+def test_no_warning_without_running_statistics_or_a_training_step(tmp_path):
+    """A frozen block of LayerNorms, or BatchNorms that track no statistics, has nothing that moves; and a
+    forward in training mode with no optimizer step (statistics recomputed on purpose, swa_utils.update_bn's way)
+    is no training step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.BatchNorm1d(16, track_running_stats=False),
+                          nn.ReLU(), nn.Linear(16, 2))
+    model[:3].requires_grad_(False)
+    opt = torch.optim.SGD(model[4].parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        for _ in range(3):
+            loss = F.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert updating(w) == []
+
+    model = frozen_backbone()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path / "stats", every=1) as w:
+        model.train()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(4, 3, 10, 10))
+                w.step()
+        assert updating(w) == []
