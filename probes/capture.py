@@ -542,7 +542,11 @@ class StepCapture:
         training = module.training
         grad_on = torch.is_grad_enabled()
         if rec.root_training is not None and mid in index.mode_relevant:
-            rec.modes[mid] = (training, rec.root_training)
+            # a call out of step with the model stays the step's mode: a validation pass that left a module in
+            # training mode, followed by the next training forward before the optimizer step, must not hide it
+            mode = rec.modes.get(mid)
+            if mode is None or mode[0] == mode[1]:
+                rec.modes[mid] = (training, rec.root_training)
         if n >= MAX_CALLS_MEASURED:
             return
         others: list[torch.Tensor]
