@@ -77,6 +77,7 @@ class CallRecord(NamedTuple):
     training: bool
     grad_enabled: bool
     numel: int
+    per_unit: int               # values per unit of the output (dead units' evidence); 0: no units tracked
 
 
 class IndexTensors(NamedTuple):
@@ -202,7 +203,7 @@ class StepRecord:
     warning_filter: Any = None   # the filter that hides torch's warning about our global hooks, while they exist
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
     # weak reference tells that tensor apart from a later one that reuses its address after it was freed
-    measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    measured: dict[OutputKey, tuple[int, weakref.ref[torch.Tensor], int]] = dataclasses.field(default_factory=dict)
     grad_targets: dict[OutputKey, list[int]] = dataclasses.field(default_factory=dict)
     live: bool = False           # the real hooks are attached (after the step's first forward)
 
@@ -571,7 +572,7 @@ class StepCapture:
         key: OutputKey = (id(x), version, x.data_ptr(), x.shape)
         seen = rec.measured.get(key)
         if seen is not None and not others and seen[1]() is x:
-            rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel))
+            rec.rows.setdefault(mid, []).append(CallRecord(seen[0], rec.order, training, grad_on, numel, seen[2]))
             if key in rec.grad_targets:
                 rec.grad_targets[key].append(mid)
             return
@@ -582,6 +583,7 @@ class StepCapture:
             if small is None:
                 small = self._small_layouts[(mid, shape, dtype, device)] = self._layouts.get(
                     shape, dtype, device, self._unit_dim(mid, module, len(shape)), index.saturation.get(mid))
+            per_unit = numel // small.units if small.track and small.units else 0
             if self._learning:
                 slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=True, version=key[1]), mid)
             elif mid in self._copy_outputs:
@@ -592,8 +594,9 @@ class StepCapture:
             udim = self._unit_dim(mid, module, x.dim())
             chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
             slot = rec.measurements.add_call(chunk, layout, mid)
-        rec.measured[key] = (slot, weakref.ref(x))
-        rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel))
+            per_unit = numel // layout.units if layout.track and layout.units else 0
+        rec.measured[key] = (slot, weakref.ref(x), per_unit)
+        rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel, per_unit))
         if grad_on and x.requires_grad:
             # the modules sharing this output, bound to it now: once the output is freed, a later output
             # may get its key (address, id, version 0) while its gradient is still to come

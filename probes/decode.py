@@ -29,6 +29,7 @@ MODULE_STATS = CALL_FIELDS      # the columns of ModuleColumns.stats: each call'
 _FIRST = operator.itemgetter(0)
 _SLOT, _ORDER = operator.attrgetter("slot"), operator.attrgetter("order")
 _TRAINING, _GRAD_ENABLED = operator.attrgetter("training"), operator.attrgetter("grad_enabled")
+_PER_UNIT = operator.attrgetter("per_unit")
 _NUMEL = operator.attrgetter("numel")
 _MEAN, _DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("mean", "dead_frac", "sat_frac", "nonfinite"))
 
@@ -56,6 +57,7 @@ class ModuleColumns:
     module_ids: list[int] = dataclasses.field(default_factory=list)
     calls: list[int] = dataclasses.field(default_factory=list)
     numel: list[int] = dataclasses.field(default_factory=list)
+    per_unit: list[int] = dataclasses.field(default_factory=list)    # values per unit (first call); 0: no units
     stats: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0, len(MODULE_STATS),
                                                                                    dtype=torch.float64))
     out_grad_norm: list[float] = dataclasses.field(default_factory=list)     # NaN: no gradient reached it
@@ -121,6 +123,7 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     whole = parts[0] if len(parts) == 1 else torch.cat(parts)
     stats = whole.index_select(0, torch.tensor(positions, dtype=torch.int64))
     cols.numel = list(map(_NUMEL, firsts))
+    cols.per_unit = list(map(_PER_UNIT, firsts))
     counts = stats[:, _NONFINITE]
     # a count not measured (NaN) says every value may be non-finite; dead and saturated fractions that do not
     # apply (NOT_APPLICABLE) become NaN like the zero fraction without a sample

@@ -8,7 +8,8 @@ Definitions (also in README):
   dead-units: 25% to 90%; at the innermost module, not again at the wrappers returning its very output. Both
   need at least ``MIN_SAMPLES`` calls of the module within the window, and either a call in every sampled step
   of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
-  pick every step), at least ``SPARSE_ROWS`` values per unit over the window: the few inputs routed to a
+  pick every step), at least ``SPARSE_ROWS`` values per unit over the window (each call's values per unit, from its
+  layout; a lower bound from the outputs' sizes where units are not tracked): the few inputs routed to a
   sometimes-skipped module do not show that a unit never activates (a constant output needs no more: it does not
   depend on the units). At a dropout module in training (the only module showing the dead units of a functional
   activation: nn.TransformerEncoderLayer's F.relu) only when the chance that a live unit's values were all dropped
@@ -188,7 +189,7 @@ class DynamicDetectors:
         self.window = window
         self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero"))
         # per module call: the sampled step it was in (counted here) and its output's size, exactly
-        self.calls = _Window(window, ("at", "numel"), torch.float64)
+        self.calls = _Window(window, ("at", "numel", "per_unit"), torch.float64)
         self.samples = 0                    # sampled steps observed
         # the latest sampled step's modules and the execution order of their first calls (a dict made when needed)
         self._latest: tuple[list[int], list[int]] = ([], [])
@@ -204,7 +205,8 @@ class DynamicDetectors:
             "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
             "nonfinite": stats["nonfinite"], "numel": numel.to(torch.float32), "zero": stats["zero_frac"]})
         self.calls.observe(m.module_ids, {"at": torch.full((len(m.module_ids),), float(self.samples),
-                                                           dtype=torch.float64), "numel": numel})
+                                                           dtype=torch.float64), "numel": numel,
+                                        "per_unit": torch.tensor(m.per_unit, dtype=torch.float64)})
         self.samples += 1
         self._latest, self._orders = (m.module_ids, m.order), None
         upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
@@ -367,7 +369,8 @@ class DynamicDetectors:
     def _enough_for_dead(self, mid: int, constant: bool = False, drop: _Drop | None = None) -> int | None:
         """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when
         they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or a module
-        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit, or a dropout
+        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit (the first call
+        of each step counted), or a dropout
         training (``drop``) under which a live unit's values may all have been dropped (chance DROPPED_ALL or more).
         A ``constant`` output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
         c = self.calls
@@ -383,13 +386,16 @@ class DynamicDetectors:
         every_step = n >= min(self.window, self.samples)      # called in every sampled step of the window
         if every_step and drop is None:
             return n
-        sizes = [int(v) for v in numel[inside].tolist() if v > 0]
-        if not sizes:
-            return None
-        # every output holds (units x rows) values, so the sizes' gcd is a multiple of the units: the window held at
-        # least sum / gcd values per unit (exactly that when the routed batches differ in size). The units are not
-        # among a step's decoded columns, so this lower bound is all the detectors know (n when the sizes are equal)
-        rows = sum(sizes) // math.gcd(*sizes)
+        per_unit = [int(v) for v in c.buf["per_unit"][:, mid][inside].tolist()]
+        if all(v > 0 for v in per_unit):
+            rows = sum(per_unit)          # the values per unit the window held, exactly
+        else:
+            sizes = [int(v) for v in numel[inside].tolist() if v > 0]
+            if not sizes:
+                return None
+            # units not tracked for some call: every output holds (units x rows) values, so the sizes' gcd is a
+            # multiple of the units, and the window held at least sum / gcd values per unit
+            rows = sum(sizes) // math.gcd(*sizes)
         if not every_step and rows < SPARSE_ROWS:
             return None
         if drop is not None:
