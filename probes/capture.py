@@ -169,6 +169,9 @@ class StepRecord:
     root_training: bool | None = None
     arrived: set[int] = dataclasses.field(default_factory=set)                  # tensors a gradient reached
     stale: dict[int, int] = dataclasses.field(default_factory=dict)             # tensor -> slot of old .grad norm
+    # tensor -> slots of its .grad's norm when later gradients of the step arrived (a stale tensor's only): 0 says it
+    # was zeroed in place in between, so what its optimizer steps on is this step's own
+    rezeroed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     grads: PerTensor = dataclasses.field(default_factory=PerTensor)
     data: PerTensor = dataclasses.field(default_factory=PerTensor)
     updates: PerTensor = dataclasses.field(default_factory=PerTensor)             # sampled, not scaled yet
@@ -641,7 +644,11 @@ class StepCapture:
 
     def on_grad(self, tensor_id: int, grad: torch.Tensor) -> None:
         rec, index = self.record, self.index
-        if rec is None or index is None or self.closed or tensor_id in rec.arrived:
+        if rec is None or index is None or self.closed:
+            return
+        if tensor_id in rec.arrived:
+            if tensor_id in rec.stale:     # another backward of the step, after one that found an old gradient
+                self._guarded("grad-hook", self._on_grad_again, rec, index, tensor_id)
             return
         if not self.replicas:
             # the common case, which cannot fail: no gradient was there before this one (no guard: it is
@@ -660,6 +667,17 @@ class StepCapture:
         existing = index.grad(tensor_id) if node is not None else None
         if existing is not None:
             rec.stale[tensor_id] = rec.measurements.add(tensor_stats.norm32(existing.detach()))
+
+    def _on_grad_again(self, rec: StepRecord, index: ModelIndex, tensor_id: int) -> None:
+        """A tensor whose first gradient of the step found an old one gets another: zeroed in between (a GAN trained
+        generator first, whose backward reaches the discriminator before ``opt_d.zero_grad()``), the old one is not
+        in what its optimizer steps on."""
+        existing = index.grad(tensor_id) if tensor_id in index.tensors else None
+        if existing is None:                        # zero_grad(set_to_none=True) ran in between
+            del rec.stale[tensor_id]
+            rec.rezeroed.pop(tensor_id, None)
+        else:                                       # zeroed in place, or added to: told by its norm, on the device
+            rec.rezeroed.setdefault(tensor_id, []).append(rec.measurements.add(tensor_stats.norm32(existing.detach())))
 
     # ====================================================================== optimizer steps
     def before_optimizer_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:

@@ -281,6 +281,9 @@ def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Ma
         updates[j] = update
     cols.update_norm = updates
     cols.stale_grad_norm = first_value(rec.stale)
+    if rec.rezeroed:           # zeroed in place before a later backward of the step: not stale for its optimizer
+        zeroed = {tid for tid, slots in rec.rezeroed.items() if any(plain[s][0] == 0.0 for s in slots)}
+        cols.stale_grad_norm = [None if tid in zeroed else v for tid, v in zip(tids, cols.stale_grad_norm, strict=True)]
     cols.local_grad_norm = first_value(rec.local_grads)
     arrived, lrs = rec.arrived, rec.lrs.get
     cols.arrived = [tid in arrived for tid in tids]

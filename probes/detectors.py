@@ -26,9 +26,10 @@ Definitions (also in README):
 - not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
   (more than a numerically zero one) and its value did not change.
 - grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
-  already held one when the new gradient arrived. When that is so of (nearly, NEVER_ZEROED) every tensor an
-  optimizer holds that got gradients, its gradients are never zeroed (zero_grad() forgotten): one finding at the
-  root for them, none per tensor.
+  already held one when the step's first gradient arrived, and it was not zeroed before a later backward of the
+  step (a GAN trained generator first reaches the discriminator before ``opt_d.zero_grad()``). When that is so
+  of (nearly, NEVER_ZEROED) every tensor an optimizer holds that got gradients, its gradients are never zeroed
+  (zero_grad() forgotten): one finding at the root for them, none per tensor.
 
 The windows are ring buffers indexed by module (and tensor) id, so a sampled step of a model with 15,000
 modules costs a few vector operations, and only the modules a rule flags cost Python.

@@ -5,6 +5,7 @@ grad-accumulating says what was seen and how many tensors are zeroed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from helpers import by_code
@@ -95,32 +96,40 @@ class GAN(nn.Module):
         self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
 
 
-def test_a_discriminator_zeroed_right_before_its_own_backward_is_not_said_never_zeroed(run_dir):
-    """Generator first: its backward goes through D, whose .grad still holds D's last gradient; opt_D.zero_grad()
-    right before D's own backward makes D step with the right gradient. The message says what was seen, and the
-    consequence only under its condition."""
+def train_generator_first(run_dir, steps: int = 6, zero_d: bool = True, set_to_none: bool = True) -> list:
     torch.manual_seed(0)
     gan = GAN()
     bce = nn.functional.binary_cross_entropy_with_logits
     opt_g = torch.optim.Adam(gan.G.parameters(), 1e-3)
     opt_d = torch.optim.Adam(gan.D.parameters(), 1e-3)
     with probes.watch(gan, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
-        for _ in range(6):
+        for _ in range(steps):
             real, z = torch.randn(32, 8), torch.randn(32, 4)
             opt_g.zero_grad()
             fake = gan.G(z)
             bce(gan.D(fake), torch.ones(32, 1)).backward()
             opt_g.step()
-            opt_d.zero_grad()
+            if zero_d:
+                opt_d.zero_grad(set_to_none=set_to_none)
             d_loss = bce(gan.D(real), torch.ones(32, 1)) + bce(gan.D(fake.detach()), torch.zeros(32, 1))
             d_loss.backward()
             opt_d.step()
-        found = [f for f in w.findings() if f.code == "grad-accumulating"]
+        return [f for f in w.findings() if f.code == "grad-accumulating"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_discriminator_zeroed_right_before_its_own_backward_does_not_accumulate(run_dir, set_to_none):
+    """Generator first: its backward goes through D, whose .grad still holds D's last gradient; opt_D.zero_grad()
+    right before D's own backward (setting .grad to None, or to zeros in place) makes D step with the right gradient:
+    D's first gradient of the step found an old one, but the gradient D's optimizer steps on is its own."""
+    assert train_generator_first(run_dir, set_to_none=set_to_none) == []
+
+
+def test_a_discriminator_never_zeroed_still_accumulates(run_dir):
+    """The same loop without opt_D.zero_grad(): D steps on the sum of every step's gradients, the bug."""
+    found = train_generator_first(run_dir, zero_d=False)
     assert [f.path for f in found] == [""]
-    message = found[0].message
-    assert "is never called" not in message
-    assert "still held the previous step's gradient when this step's first backward added to it" in message
-    assert "Unless zero_grad() runs before each step() of optimizer 1" in message
+    assert "optimizer 1" in found[0].message
 
 
 def test_a_tensor_left_unzeroed_does_not_say_most_others_are_zeroed(run_dir):
