@@ -545,15 +545,12 @@ class StepCapture:
         rec.calls[mid] = n + 1
         training = module.training
         grad_on = torch.is_grad_enabled()
-        if mid in index.mode_relevant:
-            # the model's flag: its root's when the root runs, else the root module's own (a Lightning
-            # training_step that calls the model's submodules, never its forward)
-            root_training = rec.root_training if rec.root_training is not None else _flag(index, index.root_id)
+        if rec.root_training is not None and mid in index.mode_relevant:
             # a call out of step with the model stays the step's mode: a validation pass that left a module in
             # training mode, followed by the next training forward before the optimizer step, must not hide it
             mode = rec.modes.get(mid)
-            if root_training is not None and (mode is None or mode[0] == mode[1]):
-                rec.modes[mid] = (training, root_training)
+            if mode is None or mode[0] == mode[1]:
+                rec.modes[mid] = (training, rec.root_training)
         if n >= MAX_CALLS_MEASURED:
             return
         others: list[torch.Tensor]
@@ -875,13 +872,6 @@ class StepCapture:
             post = tensor_stats.norms([after[pos] for pos in check])
             assert post is not None
             rec.post.add(rec.measurements.add(post), [tids[pos] for pos in check])
-
-
-def _flag(index: ModelIndex, module_id: int) -> bool | None:
-    """A module's training flag now; None when the index no longer holds it."""
-    node = index.modules.get(module_id)
-    module = node.module if node is not None else None
-    return module.training if module is not None else None
 
 
 def _group_lr(rec: StepRecord, lr: object) -> float | TensorSlot | None:

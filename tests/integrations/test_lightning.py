@@ -126,46 +126,6 @@ def test_a_validation_in_train_mode_is_found(run_dir):
     assert "train-mode-under-no-grad" in {c for c, _ in codes(cb.watcher.findings())}
 
 
-def direct_calls_net(pl, frozen: bool):
-    """A training_step that calls the model's submodules and never its forward (common in Lightning): the model's
-    mode is the LightningModule's own flag then. ``frozen``: a pretrained backbone frozen for fine-tuning."""
-    class Finetune(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU())
-            self.head = torch.nn.Linear(16, 2)
-            if frozen:
-                self.backbone.requires_grad_(False)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.head(self.backbone(x)), y)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", F.cross_entropy(self.head(self.backbone(x)), y))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
-
-    return Finetune()
-
-
-@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-backbone"])
-def test_a_training_step_calling_submodules_gets_the_mode_findings(run_dir, frozen):
-    """A frozen backbone left in training mode by Lightning's model.train() moves its BatchNorm statistics: found
-    although the LightningModule's forward never runs; the same model training its backbone: no mode finding."""
-    pl = pkg()
-    cb = modscope(run_dir)
-    fit(pl, direct_calls_net(pl, frozen), [cb], max_epochs=1)
-    found = [f for f in cb.watcher.findings() if f.code in MODE_CODES]
-    if frozen:
-        assert [(f.code, f.severity, f.evidence["modules"]) for f in found] == [
-            ("training-mode-mismatch", "warning", ["backbone.1"])]
-    else:
-        assert found == []
-
-
 def test_the_stored_loss_is_the_step_s_accumulated_loss(run_dir):
     pl = pkg()
     cb, rec = modscope(run_dir), recorder(pl)
