@@ -647,7 +647,8 @@ class StepCapture:
         if rec is None or index is None or self.closed:
             return
         if tensor_id in rec.arrived:
-            if tensor_id in rec.stale:     # another backward of the step, after one that found an old gradient
+            # another backward of the step, after one that found an old gradient (judged once: zeroed or not)
+            if tensor_id in rec.stale and tensor_id not in rec.rezeroed:
                 self._guarded("grad-hook", self._on_grad_again, rec, index, tensor_id)
             return
         if not self.replicas:

@@ -387,21 +387,21 @@ class DynamicDetectors:
         every_step = n >= min(self.window, self.samples)      # called in every sampled step of the window
         if every_step and drop is None:
             return n
+        sizes = [int(v) for v in numel[inside].tolist() if v > 0]
+        if not sizes:
+            return None
+        # every output holds (units x rows) values, so the sizes' gcd is a multiple of the units: at least sum / gcd
+        # values per unit (one per call with one batch size)
+        bound = sum(sizes) // math.gcd(*sizes)
         per_unit = [int(v) for v in c.buf["per_unit"][:, mid][inside].tolist()]
-        if all(v > 0 for v in per_unit):
-            rows = sum(per_unit)          # the values per unit the window held, exactly
-        else:
-            sizes = [int(v) for v in numel[inside].tolist() if v > 0]
-            if not sizes:
-                return None
-            # units not tracked for some call: every output holds (units x rows) values, so the sizes' gcd is a
-            # multiple of the units, and the window held at least sum / gcd values per unit
-            rows = sum(sizes) // math.gcd(*sizes)
+        rows = sum(per_unit) if all(v > 0 for v in per_unit) else bound    # exactly, where the layouts tell
         if not every_step and rows < SPARSE_ROWS:
             return None
         if drop is not None:
-            # independent draws per unit: each value (Dropout), else at least one per call (a channel or a sample)
-            draws = rows if drop.elementwise else n
+            # independent draws per unit: each value (Dropout), else at least one per call (a channel or a sample).
+            # The bound, not the exact count: a live unit may be non-zero in a few of its values only (sparse
+            # features, one-hot inputs), and then its values are not all draws of the dropout
+            draws = bound if drop.elementwise else n
             if drop.p >= 1 or (drop.p > 0 and draws * math.log(drop.p) >= math.log(DROPPED_ALL)):
                 return None
         return n

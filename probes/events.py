@@ -87,6 +87,9 @@ class EventBook:
         self._norm_trains = False
         # module id -> seen: a normalization layer, frozen in a frozen block, ran in training mode in a training step
         self._frozen_norm_updating: dict[int, Occurrence] = {}
+        # module id -> its parameters' version counters at the last sampled step: frozen ones do not change (a
+        # momentum encoder updated without gradients, a discriminator frozen again after its own step do)
+        self._norm_versions: dict[int, int] = {}
         # tensor id -> (seen, owners, the evidence)
         self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
         # tensor id -> (seen, the modules of it that ran), for trained tensors no gradient reached
@@ -208,7 +211,11 @@ class EventBook:
         for mid, (training, _) in ev.modes.items():
             if not _is_norm(view.module_type(mid)):
                 continue
-            if training and _frozen_and_tracking(view, mid):
+            version = _versions(view, mid)
+            unchanged = version is not None and self._norm_versions.get(mid) == version
+            if version is not None:
+                self._norm_versions[mid] = version
+            if training and unchanged and _frozen_and_tracking(view, mid):
                 seen = self._frozen_norm_updating.get(mid)
                 if seen is None:
                     self._frozen_norm_updating[mid] = Occurrence(ev.step, ev.step)
@@ -246,13 +253,19 @@ class EventBook:
         mismatch = {mid: m for mid, m in self._mismatch.items() if view.has_module(mid)}
         frozen = [mid for mid, (_, training, root_training) in mismatch.items()
                   if not training and root_training and _is_norm(view.module_type(mid))]
-        if frozen and not self._norm_trains:
-            # every normalization layer that ran is in eval while the model trains: frozen statistics, one finding
+        in_frozen_blocks = self._norm_trains
+        if in_frozen_blocks:
+            # others train: on purpose only where the layer and the block around it are frozen (the fix the
+            # frozen-statistics warning gives, with a trained head's BatchNorm in training mode)
+            frozen = [mid for mid in frozen if _frozen_and_tracking(view, mid)]
+        if frozen:
+            # every normalization layer that ran is in eval while the model trains (or those in frozen blocks):
+            # frozen statistics, one finding
             seen = [mismatch.pop(mid)[0] for mid in frozen]
             out.append(findings.frozen_normalization([view.module_path(m) for m in frozen],
                                                      sorted({view.module_type(m) for m in frozen}),
                                                      min(o.first for o in seen), max(o.last for o in seen),
-                                                     max(o.count for o in seen)))
+                                                     max(o.count for o in seen), in_frozen_blocks))
         updating = {mid: o for mid, o in self._frozen_norm_updating.items() if view.has_module(mid)}
         if updating:
             seen_u = list(updating.values())
@@ -340,6 +353,15 @@ def _holder(view: ModelView, module_id: int) -> bool:
     """A module with no forward of its own (ParameterList, ParameterDict, a holder of stacked expert weights)."""
     node = view.modules.get(module_id)
     return node is not None and node.module is not None and has_no_forward(node.module)
+
+
+def _versions(view: ModelView, module_id: int) -> int | None:
+    """The sum of a module's own parameters' version counters (every in-place change bumps one)."""
+    node = view.modules.get(module_id)
+    module = node.module if node is not None else None
+    if module is None:
+        return None
+    return sum(p._version for p in module.parameters(recurse=False))
 
 
 def _frozen_and_tracking(view: ModelView, module_id: int) -> bool:

@@ -485,13 +485,15 @@ def training_mode_mismatch(path: str, type_name: str, training: bool, root_train
 
 
 def frozen_normalization(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                         count: int) -> Finding:
+                         count: int, in_frozen_blocks: bool = False) -> Finding:
     """Every normalization layer that ran was in eval mode while the model trained: their running statistics
     frozen, which fine-tuning does on purpose (mmdetection's norm_eval, timm's freeze_bn). One info at the root."""
     shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
     return make(FindingCode.TRAINING_MODE_MISMATCH, "",
                 f"{len(paths):,} normalization layer{'s' if len(paths) != 1 else ''} ({', '.join(types)}: {shown}) "
-                "ran in eval mode while the model trained, and none in training mode: their running statistics "
+                "ran in eval mode while the model trained, "
+                + ("inside frozen blocks" if in_frozen_blocks else "and none in training mode")
+                + ": their running statistics "
                 "are frozen, as fine-tuning does on purpose (mmdetection's norm_eval, timm's freeze_bn). If that "
                 "is not meant, something put them in eval() after model.train().",
                 evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": False,

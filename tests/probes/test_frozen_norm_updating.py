@@ -71,7 +71,7 @@ def test_a_frozen_backbone_in_training_mode_is_a_warning(tmp_path, no_grad_backb
     assert f.evidence["modules"] == ["backbone.1", "backbone.4"] and f.evidence["n_modules"] == 2
     assert "running_mean" in f.message and "backbone.1" in f.message
     assert "eval" in f.fix and "FrozenBatchNorm2d" in f.fix
-    assert f.first_step == 0 and f.count == 4
+    assert f.first_step == 1 and f.count == 3      # its parameters seen unchanged from one sampled step to the next
 
 
 def test_the_default_budget_finds_it_too(tmp_path):
@@ -150,3 +150,54 @@ def test_no_warning_without_running_statistics_or_a_training_step(tmp_path):
                 model(torch.randn(4, 3, 10, 10))
                 w.step()
         assert updating(w) == []
+
+
+def test_parameters_updated_without_gradients_are_not_frozen(run_dir):
+    """A momentum encoder (MoCo, BYOL): requires_grad=False, updated in place from the online encoder every step and
+    run in training mode on purpose. Its parameters change: not frozen, not reported."""
+    import copy
+    torch.manual_seed(0)
+    model = FineTune()
+    model.momentum = copy.deepcopy(model.backbone).requires_grad_(False)
+    opt = torch.optim.SGD([*model.backbone.parameters(), *model.head.parameters()], lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            with torch.no_grad():
+                for k, q in zip(model.momentum.parameters(), model.backbone.parameters(), strict=True):
+                    k.mul_(0.99).add_(q, alpha=0.01)
+            x = torch.randn(4, 3, 10, 10, generator=g)
+            pred = model(x)                             # the model's forward first: its mode is known in the step
+            with torch.no_grad():
+                target = model.momentum(x)
+            loss = (model.backbone(x) - target).pow(2).mean() + pred.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert updating(w) == []
+
+
+def test_the_fix_with_a_trained_head_s_batchnorm_is_frozen_on_purpose(run_dir):
+    """The warning's fix when the trained head has a BatchNorm of its own in training mode: the backbone's layers in
+    eval are frozen on purpose (an info), not out of step with the model (an error)."""
+    class WithNormHead(FineTune):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+    torch.manual_seed(0)
+    model = WithNormHead()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+
+    def freeze_norms(m: FineTune) -> None:
+        for layer in m.backbone.modules():
+            if isinstance(layer, nn.BatchNorm2d):
+                layer.eval()
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, w, 4, before_step=freeze_norms)
+        found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
+    assert [(f.path, f.severity) for f in found] == [("", "info")]
+    assert found[0].evidence["modules"] == ["backbone.1", "backbone.4"]
+    assert "inside frozen blocks" in found[0].message
