@@ -51,6 +51,13 @@ def frozen_backbone() -> FineTune:
     return model
 
 
+def freeze_norms(m: FineTune) -> None:
+    """The fix the warning gives: the backbone's BatchNorms in eval after model.train()."""
+    for layer in m.backbone.modules():
+        if isinstance(layer, nn.BatchNorm2d):
+            layer.eval()
+
+
 def updating(w) -> list:
     return [f for f in w.findings() if f.evidence.get("running_statistics_updated")]
 
@@ -87,10 +94,6 @@ def test_layers_put_in_eval_mode_are_frozen_on_purpose(tmp_path):
     model = frozen_backbone()
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
 
-    def freeze_norms(m: FineTune) -> None:
-        for layer in m.backbone.modules():
-            if isinstance(layer, nn.BatchNorm2d):
-                layer.eval()
     with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
         train(model, w, 3)
         assert len(updating(w)) == 1
@@ -191,10 +194,6 @@ def test_the_fix_with_a_trained_head_s_batchnorm_is_frozen_on_purpose(run_dir):
     model.backbone.requires_grad_(False)
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
 
-    def freeze_norms(m: FineTune) -> None:
-        for layer in m.backbone.modules():
-            if isinstance(layer, nn.BatchNorm2d):
-                layer.eval()
     with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
         train(model, w, 4, before_step=freeze_norms)
         found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
