@@ -200,3 +200,36 @@ def test_the_fix_with_a_trained_head_s_batchnorm_is_frozen_on_purpose(run_dir):
     assert [(f.path, f.severity) for f in found] == [("", "info")]
     assert found[0].evidence["modules"] == ["backbone.1", "backbone.4"]
     assert "inside frozen blocks" in found[0].message
+
+
+def test_a_discriminator_frozen_again_after_its_own_step_is_not_reported(run_dir):
+    """pix2pix's set_requires_grad(netD, False) after D's update: D trains every step (its parameters change), so
+    its BatchNorm in training mode is no frozen part's."""
+    torch.manual_seed(0)
+
+    class GAN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+            self.D = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:    # the model's forward runs: its mode is known
+            return self.G(z)
+    model = GAN()
+    G, D = model.G, model.D
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    bce = F.binary_cross_entropy_with_logits
+    with probes.watch(model, [opt_g, opt_d], run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            fake = model(torch.randn(8, 4))
+            D.requires_grad_(True)
+            d_loss = bce(D(torch.randn(8, 8)), torch.ones(8, 1)) + bce(D(fake.detach()), torch.zeros(8, 1))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            D.requires_grad_(False)
+            g_loss = bce(D(fake), torch.ones(8, 1))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+        assert updating(w) == []
