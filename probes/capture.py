@@ -183,7 +183,8 @@ class StepRecord:
     orphan_baseline: UpdateBaseline | None = None      # tensors no optimizer holds
     stepped: set[int] = dataclasses.field(default_factory=set)     # the watched optimizers that stepped (their index)
     orphans_checked: bool = False
-    modes: dict[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)   # mid -> (own flag, root's)
+    # mid -> (own flag, the model's: None when no forward of the step told it)
+    modes: dict[int, tuple[bool, bool | None]] = dataclasses.field(default_factory=dict)
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
     # tensor -> where its group's lr is among the fetched vectors, for an lr held as a tensor on a device whose reads
     # cost a sync (fused optimizers take one): read with the step's one host copy, not in the optimizer hook
@@ -250,6 +251,11 @@ class StepCapture:
         self.closed = False
         # a module added to the model (or swapped in) since the index was built ran: the watcher rebuilds the index
         self.index_stale = False
+        # the framework sets the model's mode on the root itself (Lightning's loops on the LightningModule): its
+        # flag is the model's mode also in steps whose forwards call submodules only (training_step calling
+        # self.encoder), where the root's forward never runs; elsewhere a root nobody calls may be a container
+        # (an nn.ModuleDict of a student and its teacher) whose flag nobody sets
+        self.root_sets_mode = False
         self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
         # the model runs inside compiled code of the user's (a compiled train step calling it): a sampled step then
         # runs all compiled code eagerly, or our hooks would only ever be traced (learnt from a sampled step whose
@@ -514,6 +520,12 @@ class StepCapture:
                                                       self.probe.step)
             if node is not None:
                 self.on_new_module(node)
+        elif not rec.stack and (rec.root_training is not None or self.root_sets_mode):
+            # a call from outside the model's forward (an evaluation of a part after model.eval(), a framework's
+            # training_step calling a submodule): the model's mode is its flag now, not at its last forward
+            root = index.modules[index.root_id].module
+            if root is not None:
+                rec.root_training = root.training
         rec.stack.append(mid)
 
     @staticmethod
@@ -545,11 +557,12 @@ class StepCapture:
         rec.calls[mid] = n + 1
         training = module.training
         grad_on = torch.is_grad_enabled()
-        if rec.root_training is not None and mid in index.mode_relevant:
+        if mid in index.mode_relevant:
             # a call out of step with the model stays the step's mode: a validation pass that left a module in
-            # training mode, followed by the next training forward before the optimizer step, must not hide it
+            # training mode, followed by the next training forward before the optimizer step, must not hide it.
+            # Without the model's mode, the own flag still tells a frozen BatchNorm that updates its statistics
             mode = rec.modes.get(mid)
-            if mode is None or mode[0] == mode[1]:
+            if mode is None or mode[1] is None or mode[0] == mode[1]:
                 rec.modes[mid] = (training, rec.root_training)
         if n >= MAX_CALLS_MEASURED:
             return

@@ -54,7 +54,8 @@ class SampledEvents:
     """What a sampled step showed that concerns events."""
 
     step: int
-    modes: Mapping[int, tuple[bool, bool]]      # module id -> (its training flag, the root's) for mode-relevant ones
+    # module id -> (its training flag, the model's: None when no forward of the step told it) for mode-relevant ones
+    modes: Mapping[int, tuple[bool, bool | None]]
     called: frozenset[int]                      # modules called through __call__
     arrived: frozenset[int]                     # tensors a gradient reached
     owners: Mapping[int, tuple[int, ...]]       # tensor id -> modules owning it
@@ -144,9 +145,12 @@ class EventBook:
     # -------------------------------------------------------------------------- sampled steps
     def observe_sample(self, ev: SampledEvents, view: ModelView) -> None:
         step = ev.step
-        self._norm_trains = any(training and root_training and _is_norm(view.module_type(mid))
-                                for mid, (training, root_training) in ev.modes.items())
+        if any(root_training is not None for _, root_training in ev.modes.values()):
+            self._norm_trains = any(training and root_training and _is_norm(view.module_type(mid))
+                                    for mid, (training, root_training) in ev.modes.items())
         for mid, (training, root_training) in ev.modes.items():
+            if root_training is None:
+                continue                              # no mode of the model to compare with
             seen = self._mismatch.get(mid)
             if training != root_training:
                 if seen is None:

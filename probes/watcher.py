@@ -161,6 +161,13 @@ class Watcher:
                 self._losses.record(self._probe.step, loss)
             self._end_step()
 
+    def root_sets_mode(self) -> None:
+        """(Integrations.) The framework puts the watched model in train or eval mode itself (Lightning's loops,
+        on the LightningModule): the model's flag is then the mode every module is compared with, also in steps
+        whose forwards call submodules only (a ``training_step`` calling ``self.encoder(x)``), where the model's
+        own forward never runs."""
+        self._capture.root_sets_mode = True
+
     def on_close(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the watcher closes (before its store does): integrations remove what they
         attached to a framework. A callback that raises is counted as a probe error."""

@@ -92,6 +92,7 @@ class LightningWatch:
         w = self.watcher = probes.watch(module, self._optimizers or None,
                                         boundaries="optimizer" if self._manual else "external",
                                         **self.options.kwargs())
+        w.root_sets_mode()                  # the fit and validation loops set the LightningModule's mode
         if not self._manual and getattr(trainer.precision_plugin, "scaler", None) is not None:
             # a fused optimizer under a GradScaler: Lightning does not unscale it before on_before_optimizer_step
             # and the scaler calls it on skipped steps too; its gradients are final inside its own step

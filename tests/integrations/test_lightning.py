@@ -275,3 +275,69 @@ def test_a_failure_inside_the_callback_never_stops_training(run_dir, monkeypatch
     assert t.global_step == 8 and cb.watcher is None
     err = capsys.readouterr().err
     assert err.count("modscope: LightningWatch.start: RuntimeError: the store cannot be made") == 1
+
+
+# ------------------------------------------------------------------------- modes without self(x)
+def fine_tune_net(pl, direct: bool, mistake: str | None):
+    """A frozen backbone with a BatchNorm and a trained head with a Dropout. ``direct``: training_step and
+    validation_step call the submodules (``self.head(self.backbone(x))``, as Lightning's own examples do), so
+    the LightningModule's forward never runs. ``mistake``: None (the backbone's BatchNorm left training: its
+    statistics move), "fixed" (the backbone in eval at each epoch's start, as the warning says), "dropout off"
+    (the head's Dropout put in eval at each epoch's start)."""
+    class FineTune(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU())
+            self.backbone.requires_grad_(False)
+            self.head = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                            torch.nn.Linear(16, 2))
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+        def logits(self, x):
+            return self.head(self.backbone(x)) if direct else self(x)
+
+        def on_train_epoch_start(self):
+            if mistake == "fixed":
+                self.backbone.eval()
+            elif mistake == "dropout off":
+                self.head[1].eval()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.logits(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self.logits(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    return FineTune()
+
+
+def mode_kind(evidence: dict) -> str:
+    """Which of the mode findings: frozen statistics that move, frozen on purpose, or one module's mismatch."""
+    return next(k for k in ("running_statistics_updated", "frozen_normalization", "root_training") if k in evidence)
+
+
+@pytest.mark.parametrize(("mistake", "expected"), [
+    (None, {("training-mode-mismatch", "warning", "", "running_statistics_updated")}),
+    ("fixed", {("training-mode-mismatch", "info", "", "frozen_normalization")}),
+    ("dropout off", {("training-mode-mismatch", "warning", "", "running_statistics_updated"),
+                     ("training-mode-mismatch", "error", "head.1", "root_training")}),
+])
+def test_mode_findings_are_the_same_when_training_step_calls_submodules_only(run_dir, mistake, expected):
+    """The Trainer sets the LightningModule's mode (train for the fit loop, eval for validation): that flag is
+    the model's mode whether training_step calls self(x) or the submodules directly."""
+    pl = pkg()
+    found = {}
+    for direct in (False, True):
+        cb = modscope(run_dir / str(direct))
+        fit(pl, fine_tune_net(pl, direct, mistake), [cb])
+        found[direct] = {(f.code, f.severity, f.path, mode_kind(f.evidence)) for f in cb.watcher.findings()
+                         if f.code == "training-mode-mismatch"}
+    assert found[True] == found[False] == expected
