@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import findings
 from .decode import NonFiniteModule
@@ -215,11 +216,13 @@ class EventBook:
         for mid, (training, _) in ev.modes.items():
             if not _is_norm(view.module_type(mid)):
                 continue
-            version = _versions(view, mid)
+            frozen = _frozen_parameters(view, mid) if training else None
+            # the block's parameters, the layer's among them: an affine=False layer has none of its own
+            version = None if frozen is None else sum(p._version for p in frozen)
             unchanged = version is not None and self._norm_versions.get(mid) == version
             if version is not None:
                 self._norm_versions[mid] = version
-            if training and unchanged and _frozen_and_tracking(view, mid):
+            if unchanged:
                 seen = self._frozen_norm_updating.get(mid)
                 if seen is None:
                     self._frozen_norm_updating[mid] = Occurrence(ev.step, ev.step)
@@ -359,37 +362,34 @@ def _holder(view: ModelView, module_id: int) -> bool:
     return node is not None and node.module is not None and has_no_forward(node.module)
 
 
-def _versions(view: ModelView, module_id: int) -> int | None:
-    """The sum of a module's own parameters' version counters (every in-place change bumps one)."""
-    node = view.modules.get(module_id)
-    module = node.module if node is not None else None
-    if module is None:
-        return None
-    return sum(p._version for p in module.parameters(recurse=False))
-
-
 def _frozen_and_tracking(view: ModelView, module_id: int) -> bool:
-    """A normalization layer that updates running statistics in training mode, whose parameters are all frozen, in
-    a frozen block: the nearest enclosing module with parameters of its own beyond the layer's has none trainable.
-    (Freezing only the layers' affine parameters while the convolutions around them train is a recipe of its own:
-    their statistics must follow the changing features.)"""
+    """A normalization layer that updates running statistics in training mode, in a frozen block (below)."""
+    return _frozen_parameters(view, module_id) is not None
+
+
+def _frozen_parameters(view: ModelView, module_id: int) -> list[Any] | None:
+    """The parameters that make a normalization layer with running statistics frozen: its own (all frozen, if it
+    has any) and those of its block, the nearest enclosing module with parameters of its own beyond the layer's,
+    none of them trainable; None when it is not such a layer. (Freezing only the layers' affine parameters while
+    the convolutions around them train is a recipe of its own: their statistics must follow the changing
+    features.)"""
     node = view.modules.get(module_id)
     module = node.module if node is not None else None
     if module is None or not getattr(module, "track_running_stats", False) or getattr(module, "momentum", None) == 0:
-        return False
+        return None
     own = list(module.parameters())
-    if not own or any(p.requires_grad for p in own):
-        return False
+    if any(p.requires_grad for p in own):
+        return None
     parent = node.parent_id if node is not None else None
     while parent is not None:
         above = view.modules.get(parent)
         if above is None or above.module is None:
-            return False
+            return None
         params = list(above.module.parameters())
         if len(params) > len(own):
-            return not any(p.requires_grad for p in params)
+            return None if any(p.requires_grad for p in params) else params
         parent = above.parent_id
-    return False
+    return None
 
 
 def _is_norm(type_name: str) -> bool:

@@ -155,12 +155,32 @@ def test_no_warning_without_running_statistics_or_a_training_step(tmp_path):
         assert updating(w) == []
 
 
-def test_parameters_updated_without_gradients_are_not_frozen(run_dir):
+def without_affine(model: FineTune) -> FineTune:
+    """The backbone's BatchNorms with no parameters of their own (affine=False): frozen with their block."""
+    for i in (1, 4):
+        model.backbone[i] = nn.BatchNorm2d(8, affine=False)
+    return model
+
+
+def test_a_layer_without_parameters_of_its_own_is_frozen_with_its_block(tmp_path):
+    model = without_affine(frozen_backbone())
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path, every=1) as w:
+        train(model, w, 4)
+        found = updating(w)
+    assert [f.evidence["modules"] for f in found] == [["backbone.1", "backbone.4"]]
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_parameters_updated_without_gradients_are_not_frozen(run_dir, affine):
     """A momentum encoder (MoCo, BYOL): requires_grad=False, updated in place from the online encoder every step and
-    run in training mode on purpose. Its parameters change: not frozen, not reported."""
+    run in training mode on purpose. Its parameters change: not frozen, not reported (nor its BatchNorms without
+    parameters of their own: their block's change)."""
     import copy
     torch.manual_seed(0)
     model = FineTune()
+    if not affine:
+        without_affine(model)
     model.momentum = copy.deepcopy(model.backbone).requires_grad_(False)
     opt = torch.optim.SGD([*model.backbone.parameters(), *model.head.parameters()], lr=0.1)
     g = torch.Generator().manual_seed(0)
