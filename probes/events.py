@@ -280,6 +280,8 @@ class EventBook:
                 [view.module_path(m) for m in updating], sorted({view.module_type(m) for m in updating}),
                 min(o.first for o in seen_u), max(o.last for o in seen_u), max(o.count for o in seen_u)))
         for mid, (o, training, root_training) in mismatch.items():
+            if not training and root_training and _in_frozen_block(view, mid):
+                continue                              # a frozen teacher or backbone put in eval: the recipe
             out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
                                                        root_training, o.first, o.last, o.count))
         for tid, (o, owners, c) in self._bypass.items():
@@ -390,6 +392,28 @@ def _frozen_parameters(view: ModelView, module_id: int) -> list[Any] | None:
             return None if any(p.requires_grad for p in params) else params
         parent = above.parent_id
     return None
+
+
+def _in_frozen_block(view: ModelView, module_id: int) -> bool:
+    """The module and the nearest enclosing module with parameters of its own beyond the module's have none
+    trainable (a Dropout of a frozen teacher: eval() on it is how the teacher is frozen)."""
+    node = view.modules.get(module_id)
+    module = node.module if node is not None else None
+    if module is None:
+        return False
+    own = list(module.parameters())
+    if any(p.requires_grad for p in own):
+        return False
+    parent = node.parent_id if node is not None else None
+    while parent is not None:
+        above = view.modules.get(parent)
+        if above is None or above.module is None:
+            return False
+        params = list(above.module.parameters())
+        if len(params) > len(own):
+            return not any(p.requires_grad for p in params)
+        parent = above.parent_id
+    return False
 
 
 def _is_norm(type_name: str) -> bool:

@@ -113,3 +113,33 @@ def test_a_part_the_eval_does_not_reach_is_found_in_that_evaluation(run_dir):
     """The contrast: the Dropout in a plain list stays in training mode through the monitor's evaluation."""
     assert knn_monitor_loop(run_dir, dropout_in_list=True) == [
         ("encoder.regs[0]", "error", {"module_training": True, "root_training": False})]
+
+
+def test_a_frozen_teacher_put_in_eval_is_no_error_whatever_the_call_order(run_dir):
+    """eval() on a frozen teacher is how it is frozen: its Dropout in eval is no module eval() missed."""
+    torch.manual_seed(0)
+
+    class Distill(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.teacher = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.student(x)
+            with torch.no_grad():
+                target = self.teacher(x)            # after the student's forward
+            return F.mse_loss(out, target)
+
+    model = Distill()
+    model.teacher.requires_grad_(False)
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            model.train()
+            model.teacher.eval()
+            loss = model(torch.randn(8, 8))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert [f for f in w.findings() if f.code == "training-mode-mismatch"] == []
