@@ -370,14 +370,27 @@ def _frozen_and_tracking(view: ModelView, module_id: int) -> bool:
 
 
 def _frozen_parameters(view: ModelView, module_id: int) -> list[Any] | None:
-    """The parameters that make a normalization layer with running statistics frozen: its own (all frozen, if it
-    has any) and those of its block, the nearest enclosing module with parameters of its own beyond the layer's,
-    none of them trainable; None when it is not such a layer. (Freezing only the layers' affine parameters while
-    the convolutions around them train is a recipe of its own: their statistics must follow the changing
-    features.)"""
+    """The parameters that make a normalization layer with running statistics frozen (:func:`_frozen_block`); None
+    when it is not such a layer. (Freezing only the layers' affine parameters while the convolutions around them
+    train is a recipe of its own: their statistics must follow the changing features.)"""
     node = view.modules.get(module_id)
     module = node.module if node is not None else None
     if module is None or not getattr(module, "track_running_stats", False) or getattr(module, "momentum", None) == 0:
+        return None
+    return _frozen_block(view, module_id)
+
+
+def _in_frozen_block(view: ModelView, module_id: int) -> bool:
+    """A module of a frozen block (a Dropout of a frozen teacher: eval() on it is how the teacher is frozen)."""
+    return _frozen_block(view, module_id) is not None
+
+
+def _frozen_block(view: ModelView, module_id: int) -> list[Any] | None:
+    """The parameters of a module's block when none is trainable: its own (an affine=False layer has none) and
+    those of the nearest enclosing module with parameters of its own beyond the module's; None otherwise."""
+    node = view.modules.get(module_id)
+    module = node.module if node is not None else None
+    if module is None:
         return None
     own = list(module.parameters())
     if any(p.requires_grad for p in own):
@@ -392,28 +405,6 @@ def _frozen_parameters(view: ModelView, module_id: int) -> list[Any] | None:
             return None if any(p.requires_grad for p in params) else params
         parent = above.parent_id
     return None
-
-
-def _in_frozen_block(view: ModelView, module_id: int) -> bool:
-    """The module and the nearest enclosing module with parameters of its own beyond the module's have none
-    trainable (a Dropout of a frozen teacher: eval() on it is how the teacher is frozen)."""
-    node = view.modules.get(module_id)
-    module = node.module if node is not None else None
-    if module is None:
-        return False
-    own = list(module.parameters())
-    if any(p.requires_grad for p in own):
-        return False
-    parent = node.parent_id if node is not None else None
-    while parent is not None:
-        above = view.modules.get(parent)
-        if above is None or above.module is None:
-            return False
-        params = list(above.module.parameters())
-        if len(params) > len(own):
-            return not any(p.requires_grad for p in params)
-        parent = above.parent_id
-    return False
 
 
 def _is_norm(type_name: str) -> bool:
