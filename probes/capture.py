@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import batch, measure, tensor_stats
+from . import batch, frozen, measure, tensor_stats
 from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
@@ -185,6 +185,13 @@ class StepRecord:
     orphans_checked: bool = False
     # mid -> (own flag, the model's: None when no forward of the step told it)
     modes: dict[int, tuple[bool, bool | None]] = dataclasses.field(default_factory=dict)
+    # mode-relevant modules that ran in training mode in any call of the step (a later call in eval, a part evaluated
+    # within the step, does not undo what the training one did to running statistics)
+    ran_training: set[int] = dataclasses.field(default_factory=set)
+    # mid -> the model's modes it ran in step with in some call (1: eval, 2: train, 3: both): a mismatch's fix shows
+    # in any call, not only in the step's last
+    agreed: dict[int, int] = dataclasses.field(default_factory=dict)
+    frozen_norms: frozen.FrozenNormSample | None = None   # normalization layers in training mode in frozen blocks
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
     # tensor -> where its group's lr is among the fetched vectors, for an lr held as a tensor on a device whose reads
     # cost a sync (fused optimizers take one): read with the step's one host copy, not in the optimizer hook
@@ -564,6 +571,10 @@ class StepCapture:
             mode = rec.modes.get(mid)
             if mode is None or mode[1] is None or mode[0] == mode[1]:
                 rec.modes[mid] = (training, rec.root_training)
+            if training:
+                rec.ran_training.add(mid)
+            if training == rec.root_training:
+                rec.agreed[mid] = rec.agreed.get(mid, 0) | (2 if training else 1)
         if n >= MAX_CALLS_MEASURED:
             return
         others: list[torch.Tensor]
@@ -803,6 +814,11 @@ class StepCapture:
         if rec.orphan_baseline is not None:
             baseline, rec.orphan_baseline = rec.orphan_baseline, None
             self.measure_updates(rec, baseline)
+        norms = index.running_stat_norms.intersection(rec.ran_training) if rec.stepped else None
+        if norms:
+            sampled = frozen.sample_frozen_norms(index, norms)
+            if sampled is not None:
+                rec.frozen_norms = frozen.FrozenNormSample(rec.measurements.add(sampled[0]), sampled[1])
         return rec
 
     def _output_grad_norms(self, grads: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> torch.Tensor:

@@ -9,6 +9,9 @@ to what it explains:
 - ``not-in-optimizer`` and ``unregistered-tensor`` at a tensor explain ``not-updating`` and
   ``grad-accumulating`` of that tensor;
 - ``not-in-optimizer`` of a replacement explains the ``stale-optimizer-param`` entry of what it replaced;
+- ``training-mode-mismatch`` at P, a part left in eval while the model trains, explains ``train-step-in-eval-mode``
+  when the mode-sensitive modules it names are all under P (a Hugging Face model from ``from_pretrained()``, in eval
+  mode, trained inside a LightningModule);
 - ``dead-layer`` at P explains ``dead-layer`` and ``dead-units`` of the modules after it that are dead because their
   input is (the detectors name the first dead layer of the chain, in execution order: ``dead_upstream``).
 """
@@ -38,6 +41,8 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
     not_in_optimizer = {f.path for f in items if f.code == FindingCode.NOT_IN_OPTIMIZER}
     unregistered_tensors = {f.path for f in items if f.code == FindingCode.UNREGISTERED_TENSOR}
     keys = {f.key for f in items if f.code == FindingCode.DEAD_LAYER}
+    left_in_eval = [f.path for f in items if f.code == FindingCode.TRAINING_MODE_MISMATCH
+                    and f.evidence.get("mode_set_after_model") and f.evidence.get("module_training") is False]
     out = []
     for f in items:
         cause: tuple[str, str] | None = None
@@ -53,6 +58,12 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
         upstream = f.evidence.get("dead_upstream") if f.code in _DEAD else None
         if isinstance(upstream, str) and upstream != f.path and (FindingCode.DEAD_LAYER, upstream) in keys:
             cause = (FindingCode.DEAD_LAYER, upstream)
+        if f.code == FindingCode.TRAIN_STEP_IN_EVAL_MODE and left_in_eval:
+            named = f.evidence.get("modules")
+            part = next((p for p in left_in_eval if isinstance(named, list) and named
+                         and all(isinstance(m, str) and _under(m, p) for m in named)), None)
+            if part is not None:
+                cause = (FindingCode.TRAINING_MODE_MISMATCH, part)
         if f.code == FindingCode.STALE_OPTIMIZER_PARAM:
             replaced = f.evidence.get("replaced")
             if isinstance(replaced, str) and replaced in not_in_optimizer:

@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from .decode import ModuleColumns, TensorColumns, Values
 from .detectors import BypassCandidate, DynamicDetectors, GradlessCandidate
 from .events import EventBook, SampledEvents
 from .findings import Finding
+from .frozen import BlockState
 from .model_index import ModelIndex
 from .records import Op
 from .schema import FindingCode, Severity
@@ -38,6 +39,7 @@ class DecodedStep:
     record: StepRecord
     modules: ModuleColumns
     tensors: TensorColumns
+    frozen_norms: Mapping[int, BlockState]      # normalization layers in training mode in frozen blocks
 
 
 # sampled training steps (an optimizer stepped, a gradient reached the model) in which a parameter no optimizer holds
@@ -75,20 +77,22 @@ class Evaluator:
         if moved:
             self._moved.update(moved)
             ops.append(records.moved_op(self.rank, moved))
-        return DecodedStep(step, rec, modules, tensors), ops
+        norms = rec.frozen_norms.read(values[rec.frozen_norms.slot]) if rec.frozen_norms is not None else {}
+        return DecodedStep(step, rec, modules, tensors, norms), ops
 
     def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[Finding],
                  optimizers_watched: bool) -> list[Op]:
         """The findings after a sampled step."""
         step, rec = decoded.step, decoded.record
         self.events.observe_sample(SampledEvents(
-            step=step, modes=rec.modes, called=frozenset(rec.calls),     # a module is counted once called
+            step=step, modes=rec.modes, agreed=rec.agreed,
+            called=frozenset(rec.calls),     # a module is counted once called
             arrived=frozenset(rec.arrived), owners=index.owners, bypass=bypass_candidates(rec, index),
             gradless=gradless_candidates(rec, index),
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped,
-            stepped=frozenset(rec.stepped)), index)
+            stepped=frozenset(rec.stepped), frozen_norms=decoded.frozen_norms), index)
         self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
         if rec.optimizer_stepped and rec.arrived:
             self._count_orphans(rec, rec.index or index)

@@ -5,8 +5,9 @@ there is evidence of the fix, or to the end of the run:
   holds Dropout/BatchNorm-like modules; fixed by a later no_grad forward in eval mode.
 - eval-builds-graph: a forward in eval mode with gradients enabled whose output was never backpropagated
   before the step ended; fixed by a later eval forward under no_grad.
-- train-step-in-eval-mode: an optimizer step trained on gradients of eval-mode forwards while the model
-  holds Dropout/BatchNorm-like modules; fixed by a later step trained in train mode.
+- train-step-in-eval-mode: an optimizer step trained on gradients of eval-mode forwards, with no training-mode
+  forward in the step (an adversarial attack runs in eval beside them), while the model holds Dropout/BatchNorm-like
+  modules; fixed by a later step with a training-mode forward.
 - training-mode-mismatch: a module ran with a training flag other than the model's; fixed when it is seen
   again in step with the model in that mode. Also (one warning) normalization layers with frozen parameters inside
   frozen blocks that ran in training mode in a step that trained: their running statistics still move; fixed when
@@ -26,15 +27,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from . import findings
 from .decode import NonFiniteModule
 from .detectors import BypassCandidate, GradlessCandidate, ModelView
 from .findings import Finding, NonFiniteOrigin
-from .schema import display_path
+from .frozen import BlockState, frozen_norm_parameters, in_frozen_block, is_norm
+from .schema import ModuleKind, display_path
 from .sentinels import ForwardLog
-from .structure import has_no_forward
+from .structure import drops_at_random, has_no_forward
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class SampledEvents:
     step: int
     # module id -> (its training flag, the model's: None when no forward of the step told it) for mode-relevant ones
     modes: Mapping[int, tuple[bool, bool | None]]
+    agreed: Mapping[int, int]                   # module id -> the model's modes it ran in step with (1 eval, 2 train)
     called: frozenset[int]                      # modules called through __call__
     arrived: frozenset[int]                     # tensors a gradient reached
     owners: Mapping[int, tuple[int, ...]]       # tensor id -> modules owning it
@@ -66,6 +68,8 @@ class SampledEvents:
     bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
     optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
     stepped: frozenset[int] = frozenset()       # the watched optimizers that stepped (their index)
+    # normalization layers that ran in training mode inside frozen blocks (in a step that trained): their block then
+    frozen_norms: Mapping[int, BlockState] = dataclasses.field(default_factory=dict)
 
 
 # sampled steps in which a trained tensor's module ran and no gradient reached it before it is reported (one could be
@@ -89,9 +93,9 @@ class EventBook:
         self._norm_trains = False
         # module id -> seen: a normalization layer, frozen in a frozen block, ran in training mode in a training step
         self._frozen_norm_updating: dict[int, Occurrence] = {}
-        # module id -> its parameters' version counters at the last sampled step: frozen ones do not change (a
-        # momentum encoder updated without gradients, a discriminator frozen again after its own step do)
-        self._norm_versions: dict[int, int] = {}
+        # module id -> its block's parameters at the last sampled step: frozen ones do not change (a momentum
+        # encoder updated without gradients, a discriminator frozen again after its own step do)
+        self._norm_blocks: dict[int, BlockState] = {}
         # tensor id -> (seen, owners, the evidence)
         self._bypass: dict[int, tuple[Occurrence, tuple[int, ...], BypassCandidate]] = {}
         # tensor id -> (seen, the modules of it that ran), for trained tensors no gradient reached
@@ -125,10 +129,12 @@ class EventBook:
             self._see("_eval_graph", step, len(unused))
             self._eval_graph_numel = max(self._eval_graph_numel, *(f.numel for f in unused))
         if step_ended:
-            if trained and mode_sensitive:
+            # an eval forward backpropagated beside training-mode ones is an adversarial attack's (PGD, TRADES:
+            # gradients with respect to the input, taken in eval mode), not a step trained in eval mode
+            if trained and mode_sensitive and not log.train_forwards:
                 self._see("_eval_step", step)
                 self._eval_step_modules = list(mode_sensitive)
-            elif log.train_forwards and not trained:
+            elif log.train_forwards:
                 self._clear("_eval_step")
 
     # -------------------------------------------------------------------------- the loss
@@ -147,7 +153,7 @@ class EventBook:
     def observe_sample(self, ev: SampledEvents, view: ModelView) -> None:
         step = ev.step
         if any(root_training is not None for _, root_training in ev.modes.values()):
-            self._norm_trains = any(training and root_training and _is_norm(view.module_type(mid))
+            self._norm_trains = any(training and root_training and is_norm(view, mid)
                                     for mid, (training, root_training) in ev.modes.items())
         for mid, (training, root_training) in ev.modes.items():
             if root_training is None:
@@ -159,7 +165,7 @@ class EventBook:
                 else:
                     seen[0].again(step)
                 self.changed = True
-            elif seen is not None and seen[2] == root_training:
+            elif seen is not None and ev.agreed.get(mid, 0) & (2 if seen[2] else 1):
                 del self._mismatch[mid]                # in step with the model in that mode now
                 self.changed = True
         for c in ev.bypass:
@@ -212,16 +218,11 @@ class EventBook:
                                                 tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
 
     def _observe_frozen_norms(self, ev: SampledEvents, view: ModelView) -> None:
-        """(A step in which a watched optimizer stepped.) The normalization layers' modes, against their parameters."""
-        for mid, (training, _) in ev.modes.items():
-            if not _is_norm(view.module_type(mid)):
-                continue
-            frozen = _frozen_parameters(view, mid) if training else None
-            # the block's parameters, the layer's among them: an affine=False layer has none of its own
-            version = None if frozen is None else sum(p._version for p in frozen)
-            unchanged = version is not None and self._norm_versions.get(mid) == version
-            if version is not None:
-                self._norm_versions[mid] = version
+        """(A step in which a watched optimizer stepped.) The normalization layers that ran in training mode inside
+        frozen blocks, against their block's parameters at the last such step."""
+        for mid, block in ev.frozen_norms.items():
+            unchanged = self._norm_blocks.get(mid) == block
+            self._norm_blocks[mid] = block
             if unchanged:
                 seen = self._frozen_norm_updating.get(mid)
                 if seen is None:
@@ -230,7 +231,10 @@ class EventBook:
                     seen.again(ev.step)
                 self.changed = True
             elif self._frozen_norm_updating.pop(mid, None) is not None:
-                self.changed = True                    # in eval mode now, or trained
+                self.changed = True                    # its block changed: trained, or a momentum copy
+        for mid in ev.modes:
+            if mid not in ev.frozen_norms and self._frozen_norm_updating.pop(mid, None) is not None:
+                self.changed = True                    # in eval mode now, or trainable
 
     @staticmethod
     def _trained_by_the_step(ev: SampledEvents, view: ModelView) -> list[GradlessCandidate]:
@@ -259,7 +263,7 @@ class EventBook:
             out.append(findings.train_step_in_eval_mode(self._eval_step_modules, o.first, o.last, o.count))
         mismatch = {mid: m for mid, m in self._mismatch.items() if view.has_module(mid)}
         frozen = [mid for mid, (_, training, root_training) in mismatch.items()
-                  if not training and root_training and _is_norm(view.module_type(mid))]
+                  if not training and root_training and is_norm(view, mid)]
         in_frozen_blocks = self._norm_trains
         if in_frozen_blocks:
             # others train: on purpose only where the layer and the block around it are frozen (the fix the
@@ -279,11 +283,9 @@ class EventBook:
             out.append(findings.frozen_normalization_updating(
                 [view.module_path(m) for m in updating], sorted({view.module_type(m) for m in updating}),
                 min(o.first for o in seen_u), max(o.last for o in seen_u), max(o.count for o in seen_u)))
-        for mid, (o, training, root_training) in mismatch.items():
-            if not training and root_training and _in_frozen_block(view, mid):
-                continue                              # a frozen teacher or backbone put in eval: the recipe
-            out.append(findings.training_mode_mismatch(view.module_path(mid), view.module_type(mid), training,
-                                                       root_training, o.first, o.last, o.count))
+        out += _mismatches(view, {mid: m for mid, m in mismatch.items()
+                                  # a frozen teacher or backbone put in eval: the recipe
+                                  if m[1] or not m[2] or not in_frozen_block(view, mid)})
         for tid, (o, owners, c) in self._bypass.items():
             if view.tensor_known(tid):
                 names = [display_path(view.module_path(m)) for m in owners]
@@ -346,6 +348,51 @@ class EventBook:
         self._episodes[path] = (dataclasses.replace(origin, masking=False), seen, later)
 
 
+def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, bool]]) -> list[Finding]:
+    """One finding per module out of step with the model, the modules inside it with the same flag told in its own
+    (a Hugging Face model left in eval: one finding, not one per layer); dropout layers that model.eval() reached and
+    that ran in training mode after it together in one (Monte Carlo dropout)."""
+    inside: dict[int, int] = {}
+    tops = []
+    for mid, (_, training, root_training) in mismatch.items():
+        top, parent = mid, _parent(view, mid)
+        while parent is not None:
+            above = mismatch.get(parent)
+            if above is not None and above[1] == training and above[2] == root_training:
+                top = parent
+            parent = _parent(view, parent)
+        if top == mid:
+            tops.append(mid)
+        else:
+            inside[top] = inside.get(top, 0) + 1
+    out: list[Finding] = []
+    monte_carlo = []
+    for mid in tops:
+        o, training, root_training = mismatch[mid]
+        node = view.modules.get(mid)
+        registered = node is not None and node.kind == ModuleKind.REGISTERED
+        if registered and training and not root_training and not inside.get(mid) and node is not None \
+                and node.module is not None and drops_at_random(node.module):
+            monte_carlo.append(mid)
+            continue
+        out.append(findings.training_mode_mismatch(
+            view.module_path(mid), view.module_type(mid), training, root_training, o.first, o.last, o.count,
+            registered=registered, inside=inside.get(mid, 0),
+            pretrained=node is not None and node.type_module.startswith("transformers.")))
+    if monte_carlo:
+        seen = [mismatch[mid][0] for mid in monte_carlo]
+        out.append(findings.monte_carlo_dropout([view.module_path(m) for m in monte_carlo],
+                                                sorted({view.module_type(m) for m in monte_carlo}),
+                                                min(o.first for o in seen), max(o.last for o in seen),
+                                                max(o.count for o in seen)))
+    return out
+
+
+def _parent(view: ModelView, module_id: int) -> int | None:
+    node = view.modules.get(module_id)
+    return node.parent_id if node is not None else None
+
+
 def _copy(value: object) -> object:
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
@@ -365,48 +412,5 @@ def _holder(view: ModelView, module_id: int) -> bool:
 
 
 def _frozen_and_tracking(view: ModelView, module_id: int) -> bool:
-    """A normalization layer that updates running statistics in training mode, in a frozen block (below)."""
-    return _frozen_parameters(view, module_id) is not None
-
-
-def _frozen_parameters(view: ModelView, module_id: int) -> list[Any] | None:
-    """The parameters that make a normalization layer with running statistics frozen (:func:`_frozen_block`); None
-    when it is not such a layer. (Freezing only the layers' affine parameters while the convolutions around them
-    train is a recipe of its own: their statistics must follow the changing features.)"""
-    node = view.modules.get(module_id)
-    module = node.module if node is not None else None
-    if module is None or not getattr(module, "track_running_stats", False) or getattr(module, "momentum", None) == 0:
-        return None
-    return _frozen_block(view, module_id)
-
-
-def _in_frozen_block(view: ModelView, module_id: int) -> bool:
-    """A module of a frozen block (a Dropout of a frozen teacher: eval() on it is how the teacher is frozen)."""
-    return _frozen_block(view, module_id) is not None
-
-
-def _frozen_block(view: ModelView, module_id: int) -> list[Any] | None:
-    """The parameters of a module's block when none is trainable: its own (an affine=False layer has none) and
-    those of the nearest enclosing module with parameters of its own beyond the module's; None otherwise."""
-    node = view.modules.get(module_id)
-    module = node.module if node is not None else None
-    if module is None:
-        return None
-    own = list(module.parameters())
-    if any(p.requires_grad for p in own):
-        return None
-    parent = node.parent_id if node is not None else None
-    while parent is not None:
-        above = view.modules.get(parent)
-        if above is None or above.module is None:
-            return None
-        params = list(above.module.parameters())
-        if len(params) > len(own):
-            return None if any(p.requires_grad for p in params) else params
-        parent = above.parent_id
-    return None
-
-
-def _is_norm(type_name: str) -> bool:
-    """A normalization layer with running statistics (BatchNorm*, SyncBatchNorm, InstanceNorm* that track them)."""
-    return "BatchNorm" in type_name or "InstanceNorm" in type_name
+    """A normalization layer that updates running statistics in training mode, in a frozen block."""
+    return frozen_norm_parameters(view, module_id) is not None

@@ -476,12 +476,47 @@ def no_gradient(module_path: str, tensor_paths: Sequence[str], first_step: int, 
 
 # ------------------------------------------------------------------------------------ modes
 def training_mode_mismatch(path: str, type_name: str, training: bool, root_training: bool, first_step: int,
-                           step: int, count: int) -> Finding:
+                           step: int, count: int, registered: bool = False, inside: int = 0,
+                           pretrained: bool = False) -> Finding:
+    """``registered``: model.train()/eval() reach the module, so its mode was set after them (a warning: on purpose
+    or by mistake, the code that did it says which); otherwise they never reach it (an error). ``inside``: the
+    modules below it that ran with the same flag, told in this one finding. ``pretrained``: a Hugging Face model
+    (from_pretrained() returns it in eval mode)."""
+    mode = "train" if root_training else "eval"
+    below = f" and {_fmt(inside)} module{'s' if inside != 1 else ''} inside it" if inside else ""
+    evidence: dict[str, Any] = {"module_training": training, "root_training": root_training}
+    if inside:
+        evidence["modules_inside"] = inside
+    if not registered:
+        return make(FindingCode.TRAINING_MODE_MISMATCH, path,
+                    f"{display_path(path)} ({type_name}){below} ran with training={training} while the model is in "
+                    f"{mode} mode: model.train()/eval() did not reach it.",
+                    evidence=evidence, step=step, first_step=first_step, count=count)
+    evidence["mode_set_after_model"] = True
     return make(FindingCode.TRAINING_MODE_MISMATCH, path,
-                f"{display_path(path)} ({type_name}) ran with training={training} while the model is in "
-                f"{'train' if root_training else 'eval'} mode: model.train()/eval() did not reach it.",
-                evidence={"module_training": training, "root_training": root_training}, step=step,
-                first_step=first_step, count=count)
+                f"{display_path(path)} ({type_name}){below} ran with training={training} while the model is in {mode} "
+                f"mode: something called .{'train' if training else 'eval'}() on it after model.{mode}()"
+                + (" (from_pretrained() returns a model in eval mode)" if pretrained and not training else "") + ".",
+                evidence=evidence, severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+                fix=f"Call model.{mode}() after whatever set its mode, or set it again after every model.{mode}() if "
+                    "it is meant.")
+
+
+def monte_carlo_dropout(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
+                        count: int) -> Finding:
+    """Dropout layers put back in training mode after model.eval(): Monte Carlo dropout, on purpose. One info, at
+    the first layer."""
+    shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
+    one = len(paths) == 1
+    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
+                f"{len(paths):,} dropout layer{'' if one else 's'} ({', '.join(types)}: {shown}) ran in training mode "
+                f"while the model was in eval mode: {'its' if one else 'their'} mode was set after model.eval(), as "
+                "Monte Carlo dropout does on purpose (each evaluation then draws random masks).",
+                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
+                          "root_training": False, "monte_carlo_dropout": True},
+                severity=Severity.INFO, step=step, first_step=first_step, count=count,
+                fix="Nothing, if Monte Carlo dropout is meant; otherwise call model.eval() after whatever put them in "
+                    "training mode.")
 
 
 def frozen_normalization(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import tensor_stats
+from .frozen import is_norm
 from .schema import FindingCode, ModuleKind, TensorKind
 from .structure import (
     ModelStructure,
@@ -249,6 +250,11 @@ class ModelIndex:
         """The root and its direct children: a sampled step is armed with pre-hooks on them."""
         return [n.module for n in self.structure.modules
                 if n.module is not None and (n.parent_id is None or n.parent_id == self.root_id)]
+
+    @functools.cached_property
+    def running_stat_norms(self) -> frozenset[int]:
+        """Normalization layers that keep running statistics (:func:`probes.frozen.is_norm`)."""
+        return frozenset(n.module_id for n in self.structure.modules if is_norm(self, n.module_id))
 
     # These lists are computed once per index: the index is rebuilt when a parameter is replaced, frozen,
     # unfrozen or materialised (model_signature, checked after every sampled step).

@@ -336,6 +336,8 @@ class Watcher:
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
+            if self._sentinel.log.empty() and not self._sentinel.parts_watched:
+                self._sentinel.watch_parts()        # a step without a forward of the model: the loop calls its parts
             self._observe_forwards(step)
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly

@@ -283,7 +283,8 @@ def fine_tune_net(pl, direct: bool, mistake: str | None):
     validation_step call the submodules (``self.head(self.backbone(x))``, as Lightning's own examples do), so
     the LightningModule's forward never runs. ``mistake``: None (the backbone's BatchNorm left training: its
     statistics move), "fixed" (the backbone in eval at each epoch's start, as the warning says), "dropout off"
-    (the head's Dropout put in eval at each epoch's start)."""
+    (the head's Dropout put in eval at each epoch's start), "validation in train mode" (validation_step calls
+    self.train())."""
     class FineTune(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -309,6 +310,8 @@ def fine_tune_net(pl, direct: bool, mistake: str | None):
             return F.cross_entropy(self.logits(x), y)
 
         def validation_step(self, batch, batch_idx):
+            if mistake == "validation in train mode":
+                self.train()
             x, y = batch
             self.log("val_loss", F.cross_entropy(self.logits(x), y))
 
@@ -328,7 +331,7 @@ def mode_kind(evidence: dict) -> str:
     (None, {("training-mode-mismatch", "warning", "", "running_statistics_updated")}),
     ("fixed", {("training-mode-mismatch", "info", "", "frozen_normalization")}),
     ("dropout off", {("training-mode-mismatch", "warning", "", "running_statistics_updated"),
-                     ("training-mode-mismatch", "error", "head.1", "root_training")}),
+                     ("training-mode-mismatch", "warning", "head.1", "root_training")}),
 ])
 def test_mode_findings_are_the_same_when_training_step_calls_submodules_only(run_dir, mistake, expected):
     """The Trainer sets the LightningModule's mode (train for the fit loop, eval for validation): that flag is
@@ -341,3 +344,53 @@ def test_mode_findings_are_the_same_when_training_step_calls_submodules_only(run
         found[direct] = {(f.code, f.severity, f.path, mode_kind(f.evidence)) for f in cb.watcher.findings()
                          if f.code == "training-mode-mismatch"}
     assert found[True] == found[False] == expected
+
+
+def test_a_pretrained_hugging_face_model_left_in_eval_is_one_warning(run_dir, tmp_path):
+    """``from_pretrained()`` returns the model in eval mode, and the Trainer does not call train() on the
+    LightningModule that holds it: the fine-tuning runs with every dropout off. One warning at the model (its layers
+    told in it), not one finding per layer and container; none once the model is put in training mode."""
+    pl = pkg()
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+
+    class FineTune(pl.LightningModule):
+        def __init__(self, train_mode: bool) -> None:
+            super().__init__()
+            self.lm = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+            if train_mode:
+                self.lm.train()
+
+        def training_step(self, batch, batch_idx):
+            return self.lm(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    found = {}
+    for train_mode in (False, True):
+        cb = modscope(run_dir / str(train_mode))
+        trainer(pl, [cb], max_epochs=1).fit(FineTune(train_mode), data)
+        found[train_mode] = [f for f in cb.watcher.findings() if f.code in MODE_CODES]
+    assert found[True] == []
+    # one cause: the step trained in eval mode because the model was left in it
+    assert sorted((f.code, f.path, f.severity, f.cause) for f in found[False]) == [
+        ("train-step-in-eval-mode", "", "warning", ("training-mode-mismatch", "lm")),
+        ("training-mode-mismatch", "lm", "warning", None)]
+    (f,) = [f for f in found[False] if f.code == "training-mode-mismatch"]
+    assert (f.evidence["module_training"], f.evidence["root_training"]) == (False, True)
+    assert f.evidence["modules_inside"] >= 8 and "from_pretrained() returns a model in eval mode" in f.message
+
+
+def test_validation_in_train_mode_is_found_when_the_steps_call_submodules_only(run_dir):
+    """Lightning's own examples call ``self.head(self.backbone(x))`` in training_step and validation_step: the
+    LightningModule's forward never runs, yet validation in train mode is found, as with ``self(x)``."""
+    pl = pkg()
+    for direct in (False, True):
+        cb = modscope(run_dir / str(direct))
+        fit(pl, fine_tune_net(pl, direct, "validation in train mode"), [cb], num_sanity_val_steps=0)
+        found = [f for f in cb.watcher.findings() if f.code == "train-mode-under-no-grad"]
+        assert len(found) == 1 and "head.1" in found[0].evidence["modules"], direct

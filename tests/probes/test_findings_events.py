@@ -280,6 +280,89 @@ def test_training_on_after_eval_without_train_is_reported(run_dir, every):
         assert not by_code(w, "train-step-in-eval-mode")
 
 
+def precise_bn(model, batches):
+    """fvcore's and detectron2's PreciseBN: the model in training mode under no_grad, every BatchNorm at momentum
+    1.0, the caller averaging each batch's statistics."""
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    momenta = [m.momentum for m in norms]
+    means = [torch.zeros_like(m.running_mean) for m in norms]
+    with torch.no_grad():
+        for m in norms:
+            m.momentum = 1.0
+        for i, x in enumerate(batches):
+            model(x)
+            for mean, m in zip(means, norms, strict=True):
+                mean += (m.running_mean - mean) / (i + 1)
+        for mean, m, momentum in zip(means, norms, momenta, strict=True):
+            m.running_mean.copy_(mean)
+            m.momentum = momentum
+
+
+@pytest.mark.parametrize("recompute", ["update_bn", "precise_bn"])
+def test_recomputing_batchnorm_statistics_is_no_validation_in_train_mode(run_dir, recompute):
+    """swa_utils.update_bn and PreciseBN run the model in training mode under no_grad on purpose, to recompute the
+    BatchNorm statistics during training; validation in train mode afterwards is still found."""
+    model = zoo.BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = batches(16)()
+    stats = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(6):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if step % 2 == 1:
+                if recompute == "update_bn":
+                    torch.optim.swa_utils.update_bn(stats, model)
+                else:
+                    precise_bn(model, stats)
+        assert by_code(w, "train-mode-under-no-grad") == []
+        with torch.no_grad():
+            model(x)                                     # validation, in train mode
+        _train_with(model, opt, w, 1, x, y, lambda m: None)
+        assert len(by_code(w, "train-mode-under-no-grad")) == 1
+
+
+def pgd(model, x, y, steps=3, eps=0.1):
+    """The attack of adversarial training (Madry et al.), as robustness libraries run it: in eval mode, gradients with
+    respect to the input only."""
+    model.eval()
+    x_adv = x.clone()
+    for _ in range(steps):
+        x_adv.requires_grad_(True)
+        (g,) = torch.autograd.grad(F.cross_entropy(model(x_adv), y), [x_adv])
+        x_adv = (x_adv.detach() + eps / steps * g.sign()).clamp(x - eps, x + eps)
+    return x_adv.detach()
+
+
+@pytest.mark.parametrize("every", [1, 5])
+@pytest.mark.parametrize("train_after_attack", [True, False])
+def test_adversarial_training_attacks_in_eval_mode(run_dir, every, train_after_attack):
+    """PGD adversarial training: the attack's eval forwards are backpropagated (to the input), then model.train() and
+    the step trains on the adversarial batch. No finding; without model.train() after the attack, the step trains in
+    eval mode: found."""
+    model = zoo.BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = batches(16)()
+    with probes.watch(model, opt, run_dir=run_dir, every=every) as w:
+        for _ in range(6):
+            x_adv = pgd(model, x, y)
+            if train_after_attack:
+                model.train()
+            loss = F.cross_entropy(model(x_adv), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        codes = {f.code for f in w.findings()}
+    if train_after_attack:
+        assert codes == set()
+    else:
+        assert "train-step-in-eval-mode" in codes and "eval-builds-graph" not in codes
+
+
 @pytest.mark.parametrize("every", [1, 5])
 def test_evaluation_without_no_grad_builds_graphs_for_nothing(run_dir, every):
     def validate_without_no_grad(model):

@@ -171,11 +171,21 @@ def test_a_layer_without_parameters_of_its_own_is_frozen_with_its_block(tmp_path
     assert [f.evidence["modules"] for f in found] == [["backbone.1", "backbone.4"]]
 
 
+def momentum_update(style: str, k: nn.Parameter, q: nn.Parameter, m: float = 0.99) -> None:
+    if style == "in_place":               # BYOL-style, under no_grad: bumps the parameter's version counter
+        k.mul_(m).add_(q, alpha=1 - m)
+    elif style == "data_in_place":        # DINO: param_k.data.mul_(m).add_(...): .data has a counter of its own
+        k.data.mul_(m).add_((1 - m) * q.detach().data)
+    else:                                 # MoCo: param_k.data = param_k.data * m + param_q.data * (1 - m)
+        k.data = k.data * m + q.data * (1.0 - m)
+
+
 @pytest.mark.parametrize("affine", [True, False])
-def test_parameters_updated_without_gradients_are_not_frozen(run_dir, affine):
-    """A momentum encoder (MoCo, BYOL): requires_grad=False, updated in place from the online encoder every step and
-    run in training mode on purpose. Its parameters change: not frozen, not reported (nor its BatchNorms without
-    parameters of their own: their block's change)."""
+@pytest.mark.parametrize("style", ["in_place", "data_in_place", "data_assigned"])
+def test_parameters_updated_without_gradients_are_not_frozen(run_dir, affine, style):
+    """A momentum encoder (MoCo, BYOL, DINO): requires_grad=False, updated from the online encoder every step (in
+    place, or through ``.data``, which no version counter sees) and run in training mode on purpose. Its parameters
+    change: not frozen, not reported (nor its BatchNorms without parameters of their own: their block's change)."""
     import copy
     torch.manual_seed(0)
     model = FineTune()
@@ -188,7 +198,7 @@ def test_parameters_updated_without_gradients_are_not_frozen(run_dir, affine):
         for _ in range(4):
             with torch.no_grad():
                 for k, q in zip(model.momentum.parameters(), model.backbone.parameters(), strict=True):
-                    k.mul_(0.99).add_(q, alpha=0.01)
+                    momentum_update(style, k, q)
             x = torch.randn(4, 3, 10, 10, generator=g)
             pred = model(x)                             # the model's forward first: its mode is known in the step
             with torch.no_grad():
@@ -253,3 +263,65 @@ def test_a_discriminator_frozen_again_after_its_own_step_is_not_reported(run_dir
             g_loss.backward()
             opt_g.step()
         assert updating(w) == []
+
+
+def test_a_part_evaluated_within_the_step_does_not_hide_it(run_dir):
+    """A kNN monitor or a probe evaluated between backward and the optimizer step (``model.eval()``, the backbone
+    under no_grad, ``model.train()``): the training forward already moved the frozen layers' statistics."""
+    model = frozen_backbone()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            model.train()
+            x, y = torch.randn(4, 3, 10, 10, generator=g), torch.randint(0, 2, (4,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            model.eval()
+            with torch.no_grad():
+                model.backbone(x)
+            model.train()
+            opt.step()
+            w.step(loss)
+        found = updating(w)
+    assert [f.evidence["modules"] for f in found] == [["backbone.1", "backbone.4"]]
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """torchvision.ops.FrozenBatchNorm2d (detectron2's too): constant statistics and affine parameters, in buffers;
+    its training flag changes nothing."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            self.register_buffer(name, torch.full((n,), value))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        return x * scale[None, :, None, None] + (self.bias - self.running_mean * scale)[None, :, None, None]
+
+
+def test_frozen_batchnorm_is_no_normalization_layer_with_running_statistics(run_dir):
+    """mmdetection's recipe: a backbone with FrozenBatchNorm2d (in training mode: it changes nothing) and a trained
+    neck whose BatchNorms are put in eval after model.train() (``norm_eval``). The neck's layers are frozen on purpose
+    (the info), not out of step with the model (errors), and the FrozenBatchNorm2d layers are never reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), FrozenBatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            model.train()
+            model[4].eval()                                    # norm_eval
+            x, y = torch.randn(4, 3, 10, 10, generator=g), torch.randint(0, 2, (4,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
+    assert [(f.path, f.severity, f.evidence.get("modules")) for f in found] == [("", "info", ["4"])]

@@ -1,0 +1,118 @@
+"""Loops that never call the model itself, only its parts (``model.encoder(x)`` then ``model.decoder(z)``): after a
+step without a forward of the model, the sentinels watch its children, so validation in train mode, a training step
+in eval mode and evaluation that builds graphs are found there too; a frozen or momentum encoder run in training
+mode under no_grad for its targets (MoCo, BYOL) is no validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probes
+
+
+class AutoEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1),
+                                     nn.Linear(16, 4))
+        self.decoder = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # never called by the loop below
+        return self.decoder(self.encoder(x))
+
+
+def codes(w) -> set[str]:
+    return {f.code for f in w.findings()}
+
+
+def loop(run_dir, every: int, validate=None, steps: int = 8) -> set[str]:
+    torch.manual_seed(0)
+    model = AutoEncoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=every) as w:
+        for step in range(steps):
+            x = torch.randn(32, 8, generator=g)
+            loss = F.mse_loss(model.decoder(model.encoder(x)), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if validate is not None and step == 2:
+                validate(model, x)
+        return codes(w)
+
+
+def in_train_mode(model: nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        model.decoder(model.encoder(x))
+
+
+def forget_train(model: nn.Module, x: torch.Tensor) -> None:
+    model.eval()
+    with torch.no_grad():
+        model.decoder(model.encoder(x))
+
+
+def without_no_grad(model: nn.Module, x: torch.Tensor) -> None:
+    model.eval()
+    model.decoder(model.encoder(x))
+    model.train()
+
+
+def done_right(model: nn.Module, x: torch.Tensor) -> None:
+    model.eval()
+    with torch.no_grad():
+        model.decoder(model.encoder(x))
+    model.train()
+
+
+MODE_CODES = {"train-mode-under-no-grad", "train-step-in-eval-mode", "eval-builds-graph"}
+
+
+@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize(("validate", "expected"), [
+    (None, set()),
+    (done_right, set()),
+    (in_train_mode, {"train-mode-under-no-grad"}),
+    (forget_train, {"train-step-in-eval-mode"}),
+    (without_no_grad, {"eval-builds-graph"}),
+])
+def test_a_loop_calling_the_parts_is_watched_like_the_model(run_dir, every, validate, expected):
+    assert loop(run_dir, every, validate) & MODE_CODES == expected
+
+
+def test_a_momentum_encoder_in_training_mode_under_no_grad_is_no_validation(run_dir):
+    """MoCo's key encoder: requires_grad=False, updated from the query encoder, run in training mode under no_grad
+    on purpose (a container root nobody calls)."""
+    import copy
+    torch.manual_seed(0)
+    query = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.ModuleDict({"query": query, "key": copy.deepcopy(query).requires_grad_(False)})
+    opt = torch.optim.SGD(model["query"].parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(6):
+            x = torch.randn(32, 8, generator=g)
+            with torch.no_grad():
+                for k, q in zip(model["key"].parameters(), model["query"].parameters(), strict=True):
+                    k.data.mul_(0.99).add_(0.01 * q.data)
+                target = model["key"](x)
+            loss = F.mse_loss(model["query"](x + 0.1), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert codes(w) & MODE_CODES == set()
+        # the contrast: the trained encoder evaluated in training mode
+        with torch.no_grad():
+            model["query"](x)
+        loss = F.mse_loss(model["query"](x), x[:, :4])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        w.step(loss)
+        assert codes(w) & MODE_CODES == {"train-mode-under-no-grad"}
