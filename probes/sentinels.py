@@ -63,6 +63,7 @@ class RootSentinel:
         self._part_handles: list[RemovableHandle] = []
         self._root: nn.Module | None = None
         self._depth = 0                              # forwards of the model in progress (its parts' calls are in it)
+        self._part_depth = 0                         # calls of its children in progress, outside its forward
         self._parts: dict[int, Sequence[tuple[str, nn.Module]]] = {}      # id(part) -> its mode-sensitive modules
 
     @property
@@ -114,7 +115,7 @@ class RootSentinel:
 
     def take(self) -> ForwardLog:
         log, self.log = self.log, ForwardLog()
-        self._depth = 0                              # a forward that raised never ran its post-hook
+        self._depth = self._part_depth = 0           # a forward that raised never ran its post-hook
         return log
 
     def on_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -138,8 +139,12 @@ class RootSentinel:
         self._eval_forward(output)
 
     def on_part_pre_forward(self, module: nn.Module, args: Any) -> None:
-        """A child of the model called from outside the model's forward: a forward of the model, in its mode."""
-        if self._depth or measure.is_compiling():
+        """A child of the model called from outside the model's forward (and outside another child's: a shared
+        embedding a decoder calls is in the decoder's forward): a forward of the model, in its mode."""
+        if measure.is_compiling():
+            return
+        self._part_depth += 1
+        if self._depth or self._part_depth > 1:
             return
         if torch.is_grad_enabled():
             if module.training:
@@ -150,7 +155,10 @@ class RootSentinel:
         self._nograd_forward(module.training, self._parts.get(id(module), ()))
 
     def on_part_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._depth or measure.is_compiling() or module.training or not torch.is_grad_enabled():
+        if measure.is_compiling():
+            return
+        self._part_depth = max(0, self._part_depth - 1)
+        if self._depth or self._part_depth or module.training or not torch.is_grad_enabled():
             return
         self._eval_forward(output)
 

@@ -116,3 +116,37 @@ def test_a_momentum_encoder_in_training_mode_under_no_grad_is_no_validation(run_
         opt.step()
         w.step(loss)
         assert codes(w) & MODE_CODES == {"train-mode-under-no-grad"}
+
+
+def test_a_part_called_inside_another_part_is_no_forward_of_its_own(run_dir):
+    """A projection shared by the decoder (tied weights): its calls inside the decoder's forward belong to that
+    forward; one evaluation without no_grad is two forwards of the model's parts (the projection, the decoder)."""
+    class Decoder(nn.Module):
+        def __init__(self, proj: nn.Linear) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.1)
+            self.proj = proj
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.drop(torch.relu(self.fc(x))))
+
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 8)
+    model = nn.ModuleDict({"proj": proj, "decoder": Decoder(proj)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(4):
+            x = torch.randn(16, 8, generator=g)
+            loss = F.mse_loss(model["decoder"](model["proj"](x)), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if step == 1:
+                model.eval()
+                model["decoder"](model["proj"](x))        # without no_grad
+                model.train()
+        (f,) = [f for f in w.findings() if f.code == "eval-builds-graph"]
+    assert f.evidence["forwards"] == 2
