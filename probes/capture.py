@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import batch, frozen, measure, tensor_stats
 from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
+from .hooks import HeldHook
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
@@ -343,7 +344,7 @@ class StepCapture:
             self._run_eagerly(rec)
         if self.called_from_compiled and _HAS_STANCE:
             rec.stances.append(torch.compiler.set_stance("force_eager"))    # undone at detach()
-        trigger = self._eager(self.on_trigger)
+        trigger = HeldHook(self._eager(self.on_trigger))
         if self._top_level is None or self._top_level[0] is not index:
             # a TorchScript module refuses per-module hooks; the global hooks still see its calls
             self._top_level = (index, [m for m in index.top_level_modules()
@@ -418,8 +419,8 @@ class StepCapture:
                 rec.compiled_methods.append((module, name, compiled))
         if _HAS_STANCE:
             for wrapper in self.compiled.wrappers:
-                rec.eager_handles.append(wrapper.register_forward_pre_hook(self._enter_eager))
-                rec.eager_handles.append(wrapper.register_forward_hook(self._exit_eager, always_call=True))
+                rec.eager_handles.append(wrapper.register_forward_pre_hook(HeldHook(self._enter_eager)))
+                rec.eager_handles.append(wrapper.register_forward_hook(HeldHook(self._exit_eager), always_call=True))
 
     def _enter_eager(self, module: nn.Module, args: Any) -> None:
         rec = self.record

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import measure
 from .guard import ProbeRuntime
+from .hooks import HeldHook
 
 
 @dataclasses.dataclass
@@ -84,8 +85,8 @@ class RootSentinel:
         """Hooks on ``outermost`` (what the user calls); the mode is read from ``root`` (the model inside any
         wrapper: ``model.eval()`` may have been called on it rather than on the wrapper)."""
         self._root = root
-        self._handles.append(outermost.register_forward_pre_hook(self.on_pre_forward))
-        self._handles.append(outermost.register_forward_hook(self.on_forward))
+        self._handles.append(outermost.register_forward_pre_hook(HeldHook(self.on_pre_forward)))
+        self._handles.append(outermost.register_forward_hook(HeldHook(self.on_forward)))
 
     def watch_parts(self) -> None:
         """Hooks on the model's children too (idempotent): the loop calls them, not the model."""
@@ -94,8 +95,8 @@ class RootSentinel:
             return
         self._parts = self._parts_of(root)
         for child in root.children():
-            self._part_handles.append(child.register_forward_pre_hook(self.on_part_pre_forward))
-            self._part_handles.append(child.register_forward_hook(self.on_part_forward))
+            self._part_handles.append(child.register_forward_pre_hook(HeldHook(self.on_part_pre_forward)))
+            self._part_handles.append(child.register_forward_hook(HeldHook(self.on_part_forward)))
 
     def _parts_of(self, root: nn.Module) -> dict[int, Sequence[tuple[str, nn.Module]]]:
         out: dict[int, Sequence[tuple[str, nn.Module]]] = {}

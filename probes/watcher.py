@@ -31,6 +31,7 @@ from .capture import StepCapture, StepRecord, release_outputs
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
+from .hooks import HeldHook
 from .losses import LossRecorder
 from .model_index import IdRegistry, ModelIndex, Presence, build_index, model_signature
 from .records import Op
@@ -110,8 +111,8 @@ class Watcher:
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
         for oi, opt in enumerate(self._optimizers):
-            self._opt_handles.append(opt.register_step_pre_hook(functools.partial(self._on_opt_pre, oi)))
-            self._opt_handles.append(opt.register_step_post_hook(functools.partial(self._on_opt_post, oi)))
+            self._opt_handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._on_opt_pre, oi))))
+            self._opt_handles.append(opt.register_step_post_hook(HeldHook(functools.partial(self._on_opt_post, oi))))
         self._atexit = _atexit_closer(self)
         atexit.register(self._atexit)
         # in a notebook, a cell interrupted or failing inside a sampled step leaves that step open until the

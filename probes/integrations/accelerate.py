@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hooks import HeldHook
 from ..structure import unwrap
 from . import LossMean, announce, guarded, require, scaler_skips
 
@@ -113,12 +114,12 @@ class _Steps:
             return
         self._wrap(acc, "backward", self._note_loss)
         for i, (outer, opt) in enumerate(zip(self._given, self._inner, strict=True)):
-            self._handles.append(opt.register_step_pre_hook(functools.partial(self._gradients_final, i)))
+            self._handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._gradients_final, i))))
             if outer is not opt:
                 self._wrap(outer, "step", functools.partial(self._after_step, i), after=True)
             else:
                 self._handles.append(opt.register_step_post_hook(
-                    lambda o, a, k, i=i: self._optimizer_done(i)))
+                    HeldHook(lambda o, a, k, i=i: self._optimizer_done(i))))
         w.on_close(self.detach)                 # with, close() and the atexit closer all run it
 
     def _wrap(self, obj: Any, name: str, hook: Any, after: bool = False) -> None:

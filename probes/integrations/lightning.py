@@ -36,6 +36,7 @@ import functools
 import importlib
 from typing import Any
 
+from ..hooks import HeldHook
 from . import LossMean, WatchOptions, announce, guarded, handles_unscaling, loss_tensor, require, scaler_skips
 
 __all__ = ["LightningWatch", "ModscopeCallback"]
@@ -99,7 +100,7 @@ class LightningWatch:
             for i, opt in enumerate(self._optimizers):
                 if handles_unscaling(opt):
                     self._in_step.add(i)
-                    self._handles.append(opt.register_step_pre_hook(functools.partial(_in_step, w, i)))
+                    self._handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(_in_step, w, i))))
         self._gave_up = False
         announce(module, w.run_dir, w.rank)
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..hooks import HeldHook
 from ..structure import compiled_modules, unwrap
 from . import LossMean, WatchOptions, announce, calling_trainer, guarded, require, scaler_skips
 
@@ -110,7 +111,7 @@ class TrainerWatch:
         model = _called_model(model, trainer)
         w = self.watcher = probes.watch(model, inner, boundaries="external", **self.options.kwargs())
         if inner is not None:
-            self._pre_hook = inner.register_step_pre_hook(functools.partial(_gradients_final, w))
+            self._pre_hook = inner.register_step_pre_hook(HeldHook(functools.partial(_gradients_final, w)))
         if trainer is not None:
             self._wrap_training_step(trainer)
         self.gave_up = False
