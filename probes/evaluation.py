@@ -109,6 +109,12 @@ class Evaluator:
         self._reached |= rec.arrived.intersection(orphans)
         self._reached |= rec.grads.ids().intersection(orphans)
 
+    def last_modes(self, step: int, rec: StepRecord, index: ModelIndex) -> None:
+        """The modes of the step in progress when the watcher closes (an evaluation after the last optimizer
+        step: Monte Carlo dropout, a module eval() missed)."""
+        if rec.modes:
+            self.events.observe_modes(step, rec.modes, rec.agreed, index)
+
     # ------------------------------------------------------------------------------ every step
     def forwards(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], step_ended: bool) -> None:
         if not log.empty():

@@ -123,7 +123,7 @@ class EventBook:
         if log.last_nograd_training is False:        # a proper evaluation (eval() + no_grad()) after it
             self._clear("_nograd_train")
             self._clear("_eval_graph")
-        trained = [f for f in log.eval_graph if f.backpropagated]
+        trained = [f for f in log.eval_graph if f.backpropagated and not f.norms_training]
         unused = [f for f in log.eval_graph if not f.backpropagated]
         if unused and step_ended:
             self._see("_eval_graph", step, len(unused))
@@ -152,22 +152,7 @@ class EventBook:
     # -------------------------------------------------------------------------- sampled steps
     def observe_sample(self, ev: SampledEvents, view: ModelView) -> None:
         step = ev.step
-        if any(root_training is not None for _, root_training in ev.modes.values()):
-            self._norm_trains = any(training and root_training and is_norm(view, mid)
-                                    for mid, (training, root_training) in ev.modes.items())
-        for mid, (training, root_training) in ev.modes.items():
-            if root_training is None:
-                continue                              # no mode of the model to compare with
-            seen = self._mismatch.get(mid)
-            if training != root_training:
-                if seen is None:
-                    self._mismatch[mid] = (Occurrence(step, step), training, root_training)
-                else:
-                    seen[0].again(step)
-                self.changed = True
-            elif seen is not None and ev.agreed.get(mid, 0) & (2 if seen[2] else 1):
-                del self._mismatch[mid]                # in step with the model in that mode now
-                self.changed = True
+        self.observe_modes(step, ev.modes, ev.agreed, view)
         for c in ev.bypass:
             if all(_holder(view, m) for m in c.module_ids):
                 continue                              # it has no forward to bypass: its parameters are read
@@ -216,6 +201,27 @@ class EventBook:
             path = view.module_path(owner) if owner is not None and view.has_module(owner) else view.tensor_path(tid)
             self._start_episode(NonFiniteOrigin("gradient", path, step, len(grads),
                                                 tuple(view.tensor_path(t) for t in grads), view.tensor_path(tid)))
+
+    def observe_modes(self, step: int, modes: Mapping[int, tuple[bool, bool | None]], agreed: Mapping[int, int],
+                      view: ModelView) -> None:
+        """The modules' training flags against the model's in a step (:class:`SampledEvents`' ``modes``, ``agreed``):
+        a sampled step, or the one in progress when the watcher closes (an evaluation after the last step)."""
+        if any(root_training is not None for _, root_training in modes.values()):
+            self._norm_trains = any(training and root_training and is_norm(view, mid)
+                                    for mid, (training, root_training) in modes.items())
+        for mid, (training, root_training) in modes.items():
+            if root_training is None:
+                continue                              # no mode of the model to compare with
+            seen = self._mismatch.get(mid)
+            if training != root_training:
+                if seen is None:
+                    self._mismatch[mid] = (Occurrence(step, step), training, root_training)
+                else:
+                    seen[0].again(step)
+                self.changed = True
+            elif seen is not None and agreed.get(mid, 0) & (2 if seen[2] else 1):
+                del self._mismatch[mid]                # in step with the model in that mode now
+                self.changed = True
 
     def _observe_frozen_norms(self, ev: SampledEvents, view: ModelView) -> None:
         """(A step in which a watched optimizer stepped.) The normalization layers that ran in training mode inside
@@ -366,25 +372,28 @@ def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, 
         else:
             inside[top] = inside.get(top, 0) + 1
     out: list[Finding] = []
-    monte_carlo = []
+    monte_carlo, adapted = [], []            # set to training mode after model.eval(): dropouts, normalization layers
     for mid in tops:
         o, training, root_training = mismatch[mid]
         node = view.modules.get(mid)
         registered = node is not None and node.kind == ModuleKind.REGISTERED
         if registered and training and not root_training and not inside.get(mid) and node is not None \
-                and node.module is not None and drops_at_random(node.module):
-            monte_carlo.append(mid)
-            continue
+                and node.module is not None:
+            if drops_at_random(node.module):
+                monte_carlo.append(mid)
+                continue
+            if is_norm(view, mid):
+                adapted.append(mid)
+                continue
         out.append(findings.training_mode_mismatch(
             view.module_path(mid), view.module_type(mid), training, root_training, o.first, o.last, o.count,
             registered=registered, inside=inside.get(mid, 0),
             pretrained=node is not None and node.type_module.startswith("transformers.")))
-    if monte_carlo:
-        seen = [mismatch[mid][0] for mid in monte_carlo]
-        out.append(findings.monte_carlo_dropout([view.module_path(m) for m in monte_carlo],
-                                                sorted({view.module_type(m) for m in monte_carlo}),
-                                                min(o.first for o in seen), max(o.last for o in seen),
-                                                max(o.count for o in seen)))
+    for group, make in ((monte_carlo, findings.monte_carlo_dropout), (adapted, findings.norms_training_in_eval)):
+        if group:
+            seen = [mismatch[mid][0] for mid in group]
+            out.append(make([view.module_path(m) for m in group], sorted({view.module_type(m) for m in group}),
+                            min(o.first for o in seen), max(o.last for o in seen), max(o.count for o in seen)))
     return out
 
 

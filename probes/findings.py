@@ -493,13 +493,36 @@ def training_mode_mismatch(path: str, type_name: str, training: bool, root_train
                     f"{mode} mode: model.train()/eval() did not reach it.",
                     evidence=evidence, step=step, first_step=first_step, count=count)
     evidence["mode_set_after_model"] = True
+    how = f".{'train' if training else 'eval'}() on it" + (
+        ", or from_pretrained(), which returns a model in eval mode" if pretrained and not training else "")
     return make(FindingCode.TRAINING_MODE_MISMATCH, path,
                 f"{display_path(path)} ({type_name}){below} ran with training={training} while the model is in {mode} "
-                f"mode: something called .{'train' if training else 'eval'}() on it after model.{mode}()"
-                + (" (from_pretrained() returns a model in eval mode)" if pretrained and not training else "") + ".",
+                f"mode: its mode was set on it alone ({how}), and no model.{mode}() came after.",
                 evidence=evidence, severity=Severity.WARNING, step=step, first_step=first_step, count=count,
                 fix=f"Call model.{mode}() after whatever set its mode, or set it again after every model.{mode}() if "
                     "it is meant.")
+
+
+def norms_training_in_eval(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
+                           count: int) -> Finding:
+    """Normalization layers put in training mode after model.eval(): their running statistics move to the batches
+    the model evaluates. Test-time adaptation (TENT) does it on purpose; an evaluation does not. One warning, at the
+    first layer."""
+    one = len(paths) == 1
+    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
+                f"{len(paths):,} normalization layer{'' if one else 's'} ({', '.join(types)}: {_shown(paths)}) ran in "
+                f"training mode while the model was in eval mode: {'its' if one else 'their'} mode was set after "
+                f"model.eval(), so {'its' if one else 'their'} running statistics move to the batches evaluated "
+                "(test-time adaptation such as TENT does this on purpose).",
+                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
+                          "root_training": False, "mode_set_after_model": True},
+                severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+                fix="Call model.eval() after whatever put them in training mode, unless adapting them to the test "
+                    "data is meant.")
+
+
+def _shown(paths: Sequence[str]) -> str:
+    return ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
 
 
 def monte_carlo_dropout(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,

@@ -114,7 +114,15 @@ def frozen_norm_parameters(view: ModulesView, module_id: int) -> list[nn.Paramet
 
 
 def in_frozen_block(view: ModulesView, module_id: int) -> bool:
-    """A module of a frozen block (a Dropout of a frozen teacher: eval() on it is how the teacher is frozen)."""
+    """A frozen block, or a module of one (a frozen teacher, or its Dropout: eval() on it is how the teacher is
+    frozen). A block is a module with children: a leaf layer's own frozen parameters make no frozen block (a
+    BatchNorm with frozen affine parameters in a network that trains)."""
+    node = view.modules.get(module_id)
+    module = node.module if node is not None else None
+    if module is not None and next(iter(module.children()), None) is not None:
+        params = list(module.parameters())
+        if params and not any(p.requires_grad for p in params):
+            return True
     return frozen_block(view, module_id) is not None
 
 

@@ -29,6 +29,9 @@ class EvalGraphForward:
 
     numel: int
     backpropagated: bool = False
+    # normalization layers ran in training mode in it: set so after model.eval() on purpose (test-time adaptation
+    # trains them with the model in eval), not a step trained in eval mode
+    norms_training: bool = False
 
 
 @dataclasses.dataclass
@@ -137,7 +140,7 @@ class RootSentinel:
         root = self._root if self._root is not None else module
         if root.training or not torch.is_grad_enabled():
             return
-        self._eval_forward(output)
+        self._eval_forward(output, self._mode_sensitive)
 
     def on_part_pre_forward(self, module: nn.Module, args: Any) -> None:
         """A child of the model called from outside the model's forward (and outside another child's: a shared
@@ -161,7 +164,7 @@ class RootSentinel:
         self._part_depth = max(0, self._part_depth - 1)
         if self._depth or self._part_depth or module.training or not torch.is_grad_enabled():
             return
-        self._eval_forward(output)
+        self._eval_forward(output, self._parts.get(id(module), ()))
 
     def _nograd_forward(self, training: bool, mode_sensitive: Sequence[tuple[str, nn.Module]]) -> None:
         with self.probe.guard("root-sentinel"):
@@ -181,12 +184,13 @@ class RootSentinel:
                     if path not in log.nograd_train_modules:
                         log.nograd_train_modules.append(path)
 
-    def _eval_forward(self, output: Any) -> None:
+    def _eval_forward(self, output: Any, mode_sensitive: Sequence[tuple[str, nn.Module]]) -> None:
         with self.probe.guard("root-sentinel"):
             x = measure.primary(measure.float_tensors(output))
             if x is None or not x.requires_grad:
                 return
-            seen = EvalGraphForward(int(x.numel()))
+            norms = any(m.training and isinstance(m, nn.modules.batchnorm._NormBase) for _, m in mode_sensitive)
+            seen = EvalGraphForward(int(x.numel()), norms_training=norms)
             self.log.eval_graph.append(seen)
             x.register_hook(functools.partial(_mark_backpropagated, seen))
 

@@ -213,6 +213,10 @@ class Watcher:
             self._on_close.clear()
             if self._unread is not None:
                 self._complete_unread(force=True)
+            rec = self._capture.record
+            if rec is not None and rec.live:
+                with self._probe.guard("close"):
+                    self._evaluator.last_modes(self._probe.step, rec, rec.index or self._index)
             self._capture.close()
             for h in self._opt_handles:
                 h.remove()

@@ -382,7 +382,7 @@ def test_a_pretrained_hugging_face_model_left_in_eval_is_one_warning(run_dir, tm
         ("training-mode-mismatch", "lm", "warning", None)]
     (f,) = [f for f in found[False] if f.code == "training-mode-mismatch"]
     assert (f.evidence["module_training"], f.evidence["root_training"]) == (False, True)
-    assert f.evidence["modules_inside"] >= 8 and "from_pretrained() returns a model in eval mode" in f.message
+    assert f.evidence["modules_inside"] >= 8 and "from_pretrained(), which returns a model in eval mode" in f.message
 
 
 def test_validation_in_train_mode_is_found_when_the_steps_call_submodules_only(run_dir):

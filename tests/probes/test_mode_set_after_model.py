@@ -125,3 +125,62 @@ def test_evaluation_in_eval_mode_afterwards_ends_it(run_dir):
             model(x)
 
     assert run(run_dir, 1, evaluate=evaluate) == []
+
+
+def test_a_frozen_part_put_in_eval_is_frozen_on_purpose(run_dir):
+    """A frozen encoder of a class of the user's own (a teacher, a backbone) put in eval while the head trains: how a
+    frozen part is frozen, no finding (torch containers were never compared; a user module is)."""
+    def freeze(model: nn.Module) -> None:
+        model.encoder.requires_grad_(False)
+        model.encoder.eval()
+
+    assert run(run_dir, 1, before_step=freeze) == []
+
+
+def tent(run_dir, dropout: bool) -> list:
+    """Test-time adaptation (TENT's variant that keeps the model in eval): model.eval(), then the BatchNorms back in
+    training mode and their affine parameters trained on the prediction entropy, with gradients."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+              nn.AdaptiveAvgPool2d(1), nn.Flatten(), *([nn.Dropout(0.5)] if dropout else []), nn.Linear(8, 5)]
+    model = nn.Sequential(*layers).requires_grad_(False).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.train()
+            m.requires_grad_(True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            out = model(torch.randn(16, 3, 10, 10, generator=g))
+            entropy = -(out.softmax(1) * out.log_softmax(1)).sum(1).mean()
+            opt.zero_grad()
+            entropy.backward()
+            opt.step()
+            w.step(entropy)
+        return [(f.code, f.path, f.severity, f.evidence.get("modules")) for f in w.findings()
+                if f.code in ("training-mode-mismatch", "train-step-in-eval-mode", "eval-builds-graph")]
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_test_time_adaptation_is_one_warning_about_the_norms_not_a_step_trained_in_eval(run_dir, dropout):
+    assert tent(run_dir, dropout) == [("training-mode-mismatch", "1", "warning", ["1", "4"])]
+
+
+def test_an_evaluation_after_the_last_step_is_judged_when_the_watcher_closes(run_dir):
+    """Monte Carlo dropout run once, after training: the info is there once the watcher has closed."""
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(3):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        monte_carlo(model, x)
+    found = mode_findings(w)
+    assert [(path, severity, evidence.get("monte_carlo_dropout")) for path, severity, evidence in found] == [
+        ("encoder.drop", "info", True)]
