@@ -87,10 +87,11 @@ def _fmt(n: int) -> str:
 # ------------------------------------------------------------------------------------ structure
 def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, owner: str,
                         mode_sensitive: Sequence[str], matters: bool, step: int | None,
-                        frozen_only: bool = False) -> Finding:
+                        frozen_only: bool = False, all_frozen: bool = False) -> Finding:
     """``frozen_only``: every parameter in it has requires_grad=False and it has no buffers and no mode-sensitive
     module (a frozen base kept out of state_dict on purpose, or by mistake): nothing trains it either way, what it
-    misses is state_dict() and .to(), a warning."""
+    misses is state_dict() and .to(), a warning. ``all_frozen``: every parameter is frozen but it has buffers or
+    mode-sensitive modules (a frozen teacher with BatchNorm): model.eval() not reaching it is what matters."""
     msg = (f"{type_name} at {display_path(path)} is held in a plain Python attribute/container, not "
            "registered: ")
     severity: str | None = None
@@ -99,6 +100,12 @@ def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, o
                 "so nothing trains them either way, but state_dict() does not save them and .to()/.cuda() do not "
                 "move them (a forward after model.to(device) fails).")
         severity = Severity.WARNING
+    elif matters and all_frozen:
+        modes = f" ({', '.join(mode_sensitive)})" if mode_sensitive else ""
+        msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
+                f"but model.eval()/.train() never reach its modules{modes}, so their mode stays whatever it was "
+                "(BatchNorm statistics keep moving to the batches), and state_dict() does not save it nor "
+                ".to()/.cuda() move it.")
     elif matters:
         msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) run in forward and get gradients "
                 "but are invisible to model.parameters(), the optimizer, state_dict(), .to() and .eval().")

@@ -128,7 +128,9 @@ def in_frozen_block(view: ModulesView, module_id: int) -> bool:
 
 def frozen_block(view: ModulesView, module_id: int) -> list[nn.Parameter] | None:
     """The parameters of a module's block when none is trainable: its own (an affine=False layer has none) and
-    those of the nearest enclosing module with parameters of its own beyond the module's; None otherwise."""
+    those of the nearest enclosing module with parameters of its own beyond the module's; where that module trains,
+    the module's own with those of the layer before it there, when that one is frozen too (a ResNet's stem ``conv1``
+    and ``bn1`` frozen at the top of a model whose later stages train); None otherwise."""
     node = view.modules.get(module_id)
     module = node.module if node is not None else None
     if module is None:
@@ -136,15 +138,33 @@ def frozen_block(view: ModulesView, module_id: int) -> list[nn.Parameter] | None
     own = list(module.parameters())
     if any(p.requires_grad for p in own):
         return None
-    parent = node.parent_id if node is not None else None
+    branch, parent = module, node.parent_id if node is not None else None
     while parent is not None:
         above = view.modules.get(parent)
         if above is None or above.module is None:
             return None
         params = list(above.module.parameters())
         if len(params) > len(own):
-            return None if any(p.requires_grad for p in params) else params
-        parent = above.parent_id
+            if not any(p.requires_grad for p in params):
+                return params
+            before = _layer_before(above.module, branch)
+            if before is None or any(p.requires_grad for p in before):
+                return None
+            return [*own, *before]
+        branch, parent = above.module, above.parent_id
+    return None
+
+
+def _layer_before(parent: nn.Module, child: nn.Module) -> list[nn.Parameter] | None:
+    """The parameters of the nearest child of ``parent`` registered before ``child`` that has any; None when there is
+    none."""
+    before = None
+    for sibling in parent.children():
+        if sibling is child:
+            return before
+        params = list(sibling.parameters())
+        if params:
+            before = params
     return None
 
 

@@ -117,3 +117,22 @@ def test_unregistered_blocks_that_train_or_hold_state_stay_errors():
     assert {p: f.severity for p, f in found.items()} == {"base[0]": "warning", "base[1]": "error",
                                                          "norms[0]": "error"}
     assert "get gradients" in found["base[1]"].message and "frozen_only" not in found["base[1]"].evidence
+
+
+def test_a_frozen_teacher_with_batchnorm_kept_unregistered_is_an_error_about_its_mode_not_gradients():
+    """A frozen teacher in a plain list, with BatchNorm: nothing trains it, but model.eval() never reaches it (its
+    statistics keep moving); the message says that, not that its parameters get gradients."""
+    class Distill(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = nn.Linear(8, 2)
+            self.teachers = [nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).requires_grad_(False)]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.student(x)
+
+    found = {f.path: f for f in by_code(probes.audit(Distill()))["unregistered-module"]}
+    (f,) = found.values()
+    assert (f.path, f.severity) == ("teachers[0]", "error")
+    assert "all frozen" in f.message and "model.eval()/.train() never reach" in f.message
+    assert "get gradients" not in f.message and "BatchNorm1d" in f.message

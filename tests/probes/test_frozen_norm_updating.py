@@ -325,3 +325,30 @@ def test_frozen_batchnorm_is_no_normalization_layer_with_running_statistics(run_
             w.step(loss)
         found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
     assert [(f.path, f.severity, f.evidence.get("modules")) for f in found] == [("", "info", ["4"])]
+
+
+def test_a_frozen_stem_at_the_top_of_the_model_is_frozen_too(run_dir):
+    """torchvision's ResNet freezes its stem (``conv1``, ``bn1`` on the model itself) with the first stages; the
+    model around them trains. ``bn1`` is frozen with the layer before it, as the stage's layers are with theirs."""
+    class ResNetLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 8, 3)
+            self.bn1 = nn.BatchNorm2d(8)
+            self.layer1 = nn.Sequential(nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+            self.layer2 = nn.Sequential(nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(x)))))
+            return self.fc(x.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = ResNetLike()
+    for part in (model.conv1, model.bn1, model.layer1):
+        part.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        train(model, w, 4)
+        found = updating(w)
+    assert [f.evidence["modules"] for f in found] == [["bn1", "layer1.1"]]
