@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -816,8 +816,11 @@ class StepCapture:
             baseline, rec.orphan_baseline = rec.orphan_baseline, None
             self.measure_updates(rec, baseline)
         norms = index.running_stat_norms.intersection(rec.ran_training) if rec.stepped else None
-        if norms:
-            sampled = frozen.sample_frozen_norms(index, norms)
+        drops: Collection[int] | None = index.random_drops.intersection(rec.ran_training) if rec.stepped else None
+        if drops:                  # those run in training mode under no_grad: a frozen teacher's targets, noisy
+            drops = [m for m in drops if any(r.training and not r.grad_enabled for r in rec.rows.get(m, ()))]
+        if norms or drops:
+            sampled = frozen.sample_frozen_norms(index, norms or (), drops or ())
             if sampled is not None:
                 rec.frozen_norms = frozen.FrozenNormSample(rec.measurements.add(sampled[0]), sampled[1])
         return rec

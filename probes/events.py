@@ -93,6 +93,8 @@ class EventBook:
         self._norm_trains = False
         # module id -> seen: a normalization layer, frozen in a frozen block, ran in training mode in a training step
         self._frozen_norm_updating: dict[int, Occurrence] = {}
+        # module id -> seen: a dropout layer in a frozen block ran in training mode under no_grad in a training step
+        self._frozen_dropout: dict[int, Occurrence] = {}
         # module id -> its block's parameters at the last sampled step: frozen ones do not change (a momentum
         # encoder updated without gradients, a discriminator frozen again after its own step do)
         self._norm_blocks: dict[int, BlockState] = {}
@@ -229,17 +231,19 @@ class EventBook:
         for mid, block in ev.frozen_norms.items():
             unchanged = self._norm_blocks.get(mid) == block
             self._norm_blocks[mid] = block
+            book = self._frozen_norm_updating if is_norm(view, mid) else self._frozen_dropout
             if unchanged:
-                seen = self._frozen_norm_updating.get(mid)
+                seen = book.get(mid)
                 if seen is None:
-                    self._frozen_norm_updating[mid] = Occurrence(ev.step, ev.step)
+                    book[mid] = Occurrence(ev.step, ev.step)
                 else:
                     seen.again(ev.step)
                 self.changed = True
-            elif self._frozen_norm_updating.pop(mid, None) is not None:
+            elif book.pop(mid, None) is not None:
                 self.changed = True                    # its block changed: trained, or a momentum copy
         for mid in ev.modes:
-            if mid not in ev.frozen_norms and self._frozen_norm_updating.pop(mid, None) is not None:
+            if mid not in ev.frozen_norms and (self._frozen_norm_updating.pop(mid, None) is not None
+                                               or self._frozen_dropout.pop(mid, None) is not None):
                 self.changed = True                    # in eval mode now, or trainable
 
     @staticmethod
@@ -289,6 +293,12 @@ class EventBook:
             out.append(findings.frozen_normalization_updating(
                 [view.module_path(m) for m in updating], sorted({view.module_type(m) for m in updating}),
                 min(o.first for o in seen_u), max(o.last for o in seen_u), max(o.count for o in seen_u)))
+        noisy = {mid: o for mid, o in self._frozen_dropout.items() if view.has_module(mid)}
+        if noisy:
+            seen_d = list(noisy.values())
+            out.append(findings.frozen_dropout_active(
+                [view.module_path(m) for m in noisy], sorted({view.module_type(m) for m in noisy}),
+                min(o.first for o in seen_d), max(o.last for o in seen_d), max(o.count for o in seen_d)))
         out += _mismatches(view, {mid: m for mid, m in mismatch.items()
                                   # a frozen teacher or backbone put in eval: the recipe
                                   if m[1] or not m[2] or not in_frozen_block(view, mid)})

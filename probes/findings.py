@@ -532,6 +532,24 @@ def _shown(paths: Sequence[str]) -> str:
     return ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
 
 
+def frozen_dropout_active(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
+                          count: int) -> Finding:
+    """Dropout layers inside frozen blocks (unchanged between sampled steps) ran in training mode under no_grad in
+    training steps: a frozen teacher's targets (or a frozen backbone's features) are randomly masked, though nothing
+    in the block trains. One warning, at the first layer."""
+    one = len(paths) == 1
+    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
+                f"{len(paths):,} dropout layer{'' if one else 's'} ({', '.join(types)}: {_shown(paths)}) in frozen "
+                f"blocks (every parameter requires_grad=False, unchanged) ran in training mode under no_grad in "
+                "training steps: what the frozen part computes (a teacher's targets, a frozen backbone's features) is "
+                "randomly masked at every call, though nothing in it trains.",
+                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
+                          "frozen_parameters": True, "dropout_in_frozen_block": True},
+                severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+                fix="Put the frozen part in eval mode after every model.train() (teacher.eval()), or override its "
+                    "train() to stay in eval.")
+
+
 def monte_carlo_dropout(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
                         count: int) -> Finding:
     """Dropout layers put back in training mode after model.eval(): Monte Carlo dropout, on purpose. One info, at

@@ -54,20 +54,23 @@ class FrozenNormSample:
                 for mid, (start, n, versions) in self.spans.items()}
 
 
-def sample_frozen_norms(view: ModulesView, ran_training: Iterable[int]
+def sample_frozen_norms(view: ModulesView, norms: Iterable[int], dropouts: Iterable[int] = ()
                         ) -> tuple[torch.Tensor, dict[int, tuple[int, int, int]]] | None:
-    """For the modules among ``ran_training`` that are normalization layers with running statistics in frozen blocks:
-    one vector of their blocks' sampled values (each block once), and where each layer's lies (the ``spans`` of a
+    """For the normalization layers with running statistics among ``norms`` (they ran in training mode) and the
+    dropout layers ``dropouts`` (they ran in training mode under no_grad) that are in frozen blocks: one vector of
+    their blocks' sampled values (each block once), and where each layer's lies (the ``spans`` of a
     :class:`FrozenNormSample`); None when there are none (the common case)."""
     parts: list[torch.Tensor] = []
     spans: dict[int, tuple[int, int, int]] = {}
     blocks: dict[tuple[int, ...], tuple[int, int, int]] = {}
     pos = 0
-    for mid in sorted(ran_training):                 # in the model's order (ids follow it): findings list them so
-        if not is_norm(view, mid):
+    # in the model's order (ids follow it): findings list them so
+    candidates = [(mid, True) for mid in norms] + [(mid, False) for mid in dropouts]
+    for mid, norm in sorted(candidates):
+        if norm and not is_norm(view, mid):
             continue
-        params = frozen_norm_parameters(view, mid)
-        if params is None:
+        params = frozen_norm_parameters(view, mid) if norm else frozen_block(view, mid)
+        if not params:
             continue
         key = tuple(map(id, params))
         span = blocks.get(key)

@@ -27,6 +27,7 @@ from .structure import (
     ModuleNode,
     TensorNode,
     build_structure,
+    drops_at_random,
     is_mode_sensitive,
     is_uninitialized,
     saturation_kind,
@@ -250,6 +251,12 @@ class ModelIndex:
         """The root and its direct children: a sampled step is armed with pre-hooks on them."""
         return [n.module for n in self.structure.modules
                 if n.module is not None and (n.parent_id is None or n.parent_id == self.root_id)]
+
+    @functools.cached_property
+    def random_drops(self) -> frozenset[int]:
+        """Dropout layers that drop something (p > 0, drop-path)."""
+        return frozenset(n.module_id for n in self.structure.modules if n.module is not None
+                         and drops_at_random(n.module) and is_mode_sensitive(n.module))
 
     @functools.cached_property
     def running_stat_norms(self) -> frozenset[int]:

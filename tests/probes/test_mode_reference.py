@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_frozen_norm_updating import FineTune
@@ -142,4 +143,90 @@ def test_a_frozen_teacher_put_in_eval_is_no_error_whatever_the_call_order(run_di
             opt.zero_grad()
             loss.backward()
             opt.step()
+        assert [f for f in w.findings() if f.code == "training-mode-mismatch"] == []
+
+
+class Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def distill_dropout_teacher(run_dir, teacher: str) -> list:
+    """A frozen teacher with Dropout and no BatchNorm (a transformer teacher), its targets taken under no_grad."""
+    torch.manual_seed(0)
+
+    class Distill(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = Student()
+            self.teacher = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.student(x)
+
+    model = Distill()
+    model.teacher.requires_grad_(False)
+    opt = torch.optim.AdamW(model.student.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            model.train()
+            if teacher == "eval":
+                model.teacher.eval()
+            x = torch.randn(16, 8, generator=g)
+            with torch.no_grad():
+                target = model.teacher(x).softmax(-1)
+            loss = F.cross_entropy(model(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if teacher == "mean teacher":          # an EMA of the student: noise on its targets is the recipe
+                with torch.no_grad():
+                    for t, s in zip(model.teacher.parameters(), model.student.parameters(), strict=True):
+                        t.mul_(0.99).add_(s, alpha=0.01)
+            w.step(loss)
+        return [(f.path, f.severity, f.evidence.get("modules")) for f in w.findings()
+                if f.code == "training-mode-mismatch"]
+
+
+def test_a_frozen_teacher_s_dropout_left_in_training_mode_is_a_warning(run_dir):
+    assert distill_dropout_teacher(run_dir, "train") == [("teacher.2", "warning", ["teacher.2"])]
+
+
+@pytest.mark.parametrize("teacher", ["eval", "mean teacher"])
+def test_a_teacher_in_eval_or_an_ema_teacher_gives_none(run_dir, teacher):
+    assert distill_dropout_teacher(run_dir, teacher) == []
+
+
+def test_dropout_of_a_frozen_base_that_trains_adapters_is_no_finding(run_dir):
+    """LoRA-style fine-tuning: a frozen MLP with Dropout in training mode, run with gradients (adapters after it
+    train): its dropout regularises the training, nothing is computed under no_grad."""
+    torch.manual_seed(0)
+
+    class Adapted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8))
+            self.adapter = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.adapter(self.mlp(x)))
+
+    model = Adapted()
+    model.mlp.requires_grad_(False)
+    opt = torch.optim.AdamW([*model.adapter.parameters(), *model.head.parameters()], lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
         assert [f for f in w.findings() if f.code == "training-mode-mismatch"] == []
