@@ -615,7 +615,8 @@ def train_mode_under_no_grad(modules: Sequence[str], inference_mode: bool, first
                 f"The model ran forward under {ctx} in training mode {_times(count)} (first in step {first_step}, "
                 f"last in step {step}) while {len(modules)} Dropout/BatchNorm modules were in training mode "
                 "(e.g. " + ", ".join(display_path(n) for n in modules[:3]) + "): validation in train mode "
-                "applies dropout and overwrites BatchNorm running statistics with validation data.",
+                "applies dropout and overwrites BatchNorm running statistics with validation data (a pass that "
+                "guesses labels inside a training step, as MixMatch's, does so on purpose).",
                 evidence={"modules": list(modules[:20]), "modules_in_train_mode": len(modules), "context": ctx,
                           "forwards": count},
                 step=step, first_step=first_step, count=count)
