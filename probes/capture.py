@@ -449,7 +449,9 @@ class StepCapture:
                 rec.warning_filter = hide_global_hook_warning()
             own = rec.own_hook_dicts
             for tensor, hook, hooks in self._gradient_hooks(index):
-                if hooks is not None and tensor._backward_hooks is None and tensor.requires_grad:
+                if not tensor.requires_grad:
+                    continue                   # frozen since the index was built (rebuilt after this sample)
+                if hooks is not None and tensor._backward_hooks is None:
                     # what Tensor.register_hook does for a leaf without hooks, without making a handle and a
                     # dict each time (most of its cost, paid for every parameter); detach() sets None back
                     tensor._backward_hooks = hooks

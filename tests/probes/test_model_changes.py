@@ -305,3 +305,27 @@ def test_modules_shifted_by_an_insert_keep_their_ids(tmp_path, read_path):
     mid = before["blocks.0"]
     assert [s for s, in stored(w, f"SELECT step FROM module_stats WHERE module_id = {mid} ORDER BY step")] == \
         list(range(15))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_parameters_frozen_between_steps_break_no_sample(tmp_path, every):
+    """The backbone frozen before step 3 (progressive freezing, TENT after supervised steps): the step armed with
+    the index of before attaches no gradient hook to a tensor that no longer requires grad (which raised, and lost
+    the sample); the frozen layers are then reported frozen."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=tmp_path / "run", every=every) as w:
+        for step in range(8):
+            if step == 3:
+                model[0].requires_grad_(False)
+                model[2].requires_grad_(False)
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 2, (8,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert w.probe_errors == {}
+        assert {f.path for f in w.findings() if f.code == "frozen-parameter"} == {"0", "2"}
