@@ -273,7 +273,8 @@ class EventBook:
             out.append(findings.train_step_in_eval_mode(self._eval_step_modules, o.first, o.last, o.count))
         mismatch = {mid: m for mid, m in self._mismatch.items() if view.has_module(mid)}
         frozen = [mid for mid, (_, training, root_training) in mismatch.items()
-                  if not training and root_training and is_norm(view, mid)]
+                  if not training and root_training and is_norm(view, mid)
+                  and not _in_part_out_of_step(view, mismatch, mid)]
         in_frozen_blocks = self._norm_trains
         if in_frozen_blocks:
             # others train: on purpose only where the layer and the block around it are frozen (the fix the
@@ -405,6 +406,20 @@ def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, 
             out.append(make([view.module_path(m) for m in group], sorted({view.module_type(m) for m in group}),
                             min(o.first for o in seen), max(o.last for o in seen), max(o.count for o in seen)))
     return out
+
+
+def _in_part_out_of_step(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, bool]],
+                         module_id: int) -> bool:
+    """Whether a module lies inside a part that trains yet ran with the same flag as it, against the model's (a
+    trained encoder left in eval): it is told in that part's finding, not as frozen on purpose."""
+    flags = mismatch[module_id][1:]
+    parent = _parent(view, module_id)
+    while parent is not None:
+        above = mismatch.get(parent)
+        if above is not None and above[1:] == flags and not in_frozen_block(view, parent):
+            return True
+        parent = _parent(view, parent)
+    return False
 
 
 def _parent(view: ModelView, module_id: int) -> int | None:

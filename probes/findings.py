@@ -136,7 +136,7 @@ def unregistered_tensor(path: str, *, is_parameter: bool, requires_grad: bool, s
 
 def frozen_parameter(path: str, shape: list[int] | None, in_optimizer: bool, step: int | None) -> Finding:
     return make(FindingCode.FROZEN_PARAMETER, path,
-                f"{path} has requires_grad=False: it is saved and moved but never trained.",
+                f"{path} has requires_grad=False: it is saved and moved, and no gradient trains it while it stays so.",
                 evidence={"shape": shape, "in_optimizer": in_optimizer}, step=step)
 
 
@@ -154,7 +154,8 @@ def frozen_module(path: str, type_name: str, n_tensors: int, numel: int, in_opti
     held = (f" ({in_optimizer:,} of them held by an optimizer, which skips them)" if in_optimizer else "")
     return make(FindingCode.FROZEN_PARAMETER, path,
                 f"{display_path(path)} ({type_name}): {_count(numel)} parameters in {n_tensors:,} tensor"
-                f"{'s' if n_tensors != 1 else ''}, all requires_grad=False{held}: saved and moved but never trained.",
+                f"{'s' if n_tensors != 1 else ''}, all requires_grad=False{held}: saved and moved, and no gradient "
+                "trains them while they stay so.",
                 evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
                           "type": type_name}, step=step)
 
@@ -166,7 +167,8 @@ def frozen_parameters_many(names: Sequence[str], n_modules: int, n_tensors: int,
     return make(FindingCode.FROZEN_PARAMETER, "",
                 f"{_count(numel)} parameters in {n_tensors:,} tensors have requires_grad=False, in {n_modules:,} "
                 f"frozen modules and {len(names) - n_modules:,} frozen tensors of modules that train ({shown}): "
-                "saved and moved but never trained (a frozen base around adapters, as LoRA's).",
+                "saved and moved, and no gradient trains them while they stay so (a frozen base around adapters, as "
+                "LoRA's).",
                 evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
                           "modules": n_modules, "examples": list(names[:50])}, step=step)
 

@@ -69,7 +69,7 @@ def sample_frozen_norms(view: ModulesView, norms: Iterable[int], dropouts: Itera
     for mid, norm in sorted(candidates):
         if norm and not is_norm(view, mid):
             continue
-        params = frozen_norm_parameters(view, mid) if norm else frozen_block(view, mid)
+        params = frozen_norm_parameters(view, mid) if norm else frozen_block(view, mid, beside=False)
         if not params:
             continue
         key = tuple(map(id, params))
@@ -129,11 +129,12 @@ def in_frozen_block(view: ModulesView, module_id: int) -> bool:
     return frozen_block(view, module_id) is not None
 
 
-def frozen_block(view: ModulesView, module_id: int) -> list[nn.Parameter] | None:
+def frozen_block(view: ModulesView, module_id: int, beside: bool = True) -> list[nn.Parameter] | None:
     """The parameters of a module's block when none is trainable: its own (an affine=False layer has none) and
     those of the nearest enclosing module with parameters of its own beyond the module's; where that module trains,
     the module's own with those of the layer before it there, when that one is frozen too (a ResNet's stem ``conv1``
-    and ``bn1`` frozen at the top of a model whose later stages train); None otherwise."""
+    and ``bn1`` frozen at the top of a model whose later stages train; not with ``beside=False``: a dropout after a
+    frozen embedding in a model that trains belongs to no frozen part); None otherwise."""
     node = view.modules.get(module_id)
     module = node.module if node is not None else None
     if module is None:
@@ -150,7 +151,7 @@ def frozen_block(view: ModulesView, module_id: int) -> list[nn.Parameter] | None
         if len(params) > len(own):
             if not any(p.requires_grad for p in params):
                 return params
-            before = _layer_before(above.module, branch)
+            before = _layer_before(above.module, branch) if beside else None
             if before is None or any(p.requires_grad for p in before):
                 return None
             return [*own, *before]

@@ -439,8 +439,11 @@ def _mode_relevant(node: ModuleNode) -> bool:
     module = node.module
     if module is None:
         return False
+    # a torch container holding mode-sensitive modules too (``decoder.eval()`` on an nn.Sequential: its layers'
+    # findings are told in its own)
     return is_mode_sensitive(module) or (not node.type_module.startswith("torch.")
-                                         and subtree_has_state_or_modes(module))
+                                         and subtree_has_state_or_modes(module)) \
+        or (isinstance(module, nn.Sequential) and any(is_mode_sensitive(m) for m in module.modules()))
 
 
 def _owners(s: ModelStructure) -> dict[int, tuple[int, ...]]:

@@ -69,6 +69,10 @@ class RootSentinel:
         self._depth = 0                              # forwards of the model in progress (its parts' calls are in it)
         self._part_depth = 0                         # calls of its children in progress, outside its forward
         self._parts: dict[int, Sequence[tuple[str, nn.Module]]] = {}      # id(part) -> its mode-sensitive modules
+        # id() of every parameter the watched optimizers hold (set before mode_sensitive), and the parts that hold
+        # none: a frozen or EMA teacher, a frozen text encoder, whose forwards are no training or evaluation pass
+        self.optimized: frozenset[int] = frozenset()
+        self._untrained: set[int] = set()
 
     @property
     def mode_sensitive(self) -> Sequence[tuple[str, nn.Module]]:
@@ -103,10 +107,19 @@ class RootSentinel:
 
     def _parts_of(self, root: nn.Module) -> dict[int, Sequence[tuple[str, nn.Module]]]:
         out: dict[int, Sequence[tuple[str, nn.Module]]] = {}
+        self._untrained = set()
         for child in root.children():
             inside = {id(m) for m in child.modules()}
             out[id(child)] = [(path, m) for path, m in self._mode_sensitive if id(m) in inside]
+            if self.optimized and not any(id(p) in self.optimized for p in child.parameters()):
+                self._untrained.add(id(child))
         return out
+
+    def _untrained_part(self, part: nn.Module) -> bool:
+        """A part no watched optimizer trains (without optimizers: none of whose parameters requires grad)."""
+        if self.optimized:
+            return id(part) in self._untrained
+        return not any(p.requires_grad for p in part.parameters())
 
     def detach(self) -> None:
         for h in [*self._handles, *self._part_handles]:
@@ -154,7 +167,7 @@ class RootSentinel:
             if module.training:
                 self.log.train_forwards += 1
             return
-        if module.training and not any(p.requires_grad for p in module.parameters()):
+        if self._untrained_part(module):
             return                                   # a frozen or momentum teacher's targets, not an evaluation
         self._nograd_forward(module.training, self._parts.get(id(module), ()))
 
@@ -162,7 +175,8 @@ class RootSentinel:
         if measure.is_compiling():
             return
         self._part_depth = max(0, self._part_depth - 1)
-        if self._depth or self._part_depth or module.training or not torch.is_grad_enabled():
+        if self._depth or self._part_depth or module.training or not torch.is_grad_enabled() \
+                or self._untrained_part(module):
             return
         self._eval_forward(output, self._parts.get(id(module), ()))
 

@@ -96,9 +96,9 @@ def clean_path(path: str, wrapper_paths: frozenset[str] = frozenset()) -> str:
 
 
 def is_mode_sensitive(module: nn.Module) -> bool:
-    """A module whose computation depends on .training: BatchNorm, InstanceNorm tracking running statistics, and
-    dropout that drops something (p > 0: a Dropout(p=0), as LLM fine-tuning configures them all, computes the same in
-    both modes)."""
+    """A module whose computation depends on .training: BatchNorm with running statistics, InstanceNorm tracking
+    them, and dropout or drop-path that drops something (p > 0: a Dropout(p=0), as LLM fine-tuning configures them
+    all, computes the same in both modes)."""
     if isinstance(module, nn.RNNBase):
         return bool(getattr(module, "dropout", 0.0))
     if isinstance(module, nn.modules.dropout._DropoutNd):
@@ -106,6 +106,12 @@ def is_mode_sensitive(module: nn.Module) -> bool:
         return not isinstance(p, (int, float)) or p != 0
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return bool(getattr(module, "track_running_stats", False))
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        # without running statistics (TENT's configuration) it normalizes by the batch in both modes
+        return module.running_mean is not None or module.running_var is not None
+    if type(module).__name__ in _DROP_PATH:      # timm's DropPath (drop_prob), torchvision's StochasticDepth (p)
+        p = getattr(module, "drop_prob", getattr(module, "p", None))
+        return not isinstance(p, (int, float)) or p != 0
     return isinstance(module, _MODE_SENSITIVE)
 
 

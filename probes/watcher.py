@@ -291,6 +291,8 @@ class Watcher:
                             droppable=False)
         self._capture.index = index
         self._capture.set_compiled(compiled_modules(model))
+        self._sentinel.optimized = frozenset(id(p) for opt in self._optimizers for group in opt.param_groups
+                                             for p in group["params"])
         self._sentinel.mode_sensitive = index.mode_sensitive_modules()
         return index
 

@@ -246,8 +246,8 @@ def _train_with_norms_in_eval(model, opt, w, steps, frozen):
 
 def test_batchnorm_frozen_on_purpose_is_one_info_and_one_left_in_eval_a_warning(run_dir):
     """Fine-tuning with every BatchNorm in eval (mmdetection's norm_eval, timm's freeze_bn) freezes their running
-    statistics on purpose: one info at the root. A block left in eval while others train: its mode was set after
-    model.train() (a warning per block, the layers inside it told in the block's)."""
+    statistics on purpose: one info at the root. A stage left in eval while others train: its mode was set after
+    model.train() (one warning at the stage, its blocks and layers told in it)."""
     model = zoo.ResNetSmall()
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -259,7 +259,7 @@ def test_batchnorm_frozen_on_purpose_is_one_info_and_one_left_in_eval_a_warning(
         _train_with_norms_in_eval(model, opt, w, 2, lambda m: m.layer1.modules())     # eval() left on one block
         found = [f for f in w.findings() if f.code == "training-mode-mismatch"]
     assert sorted((f.path, f.severity, f.evidence.get("modules_inside")) for f in found) == [
-        ("layer1.0", "warning", 2), ("layer1.1", "warning", 2)]         # the blocks: user modules with state
+        ("layer1", "warning", 6)]                  # its 2 blocks (user modules with state) and their 4 BatchNorms
 
 
 def test_validation_in_train_mode_under_no_grad(run_dir):

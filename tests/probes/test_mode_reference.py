@@ -230,3 +230,89 @@ def test_dropout_of_a_frozen_base_that_trains_adapters_is_no_finding(run_dir):
             opt.step()
             w.step(loss)
         assert [f for f in w.findings() if f.code == "training-mode-mismatch"] == []
+
+
+class DropPath(nn.Module):
+    """timm's DropPath: zeroes whole samples at random in training (stochastic depth)."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0:
+            return x
+        keep = (torch.rand(x.shape[0], 1) >= self.drop_prob).to(x.dtype)
+        return x * keep / (1 - self.drop_prob)
+
+
+def test_a_frozen_teacher_s_drop_path_left_in_training_mode_is_a_warning(run_dir):
+    """A ViT teacher as timm builds it by default for fine-tuning: dropout at p=0, drop-path 0.1."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.0)
+            self.drop_path = DropPath(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.drop_path(self.drop(self.fc(x)))
+
+    class Distill(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = Student()
+            self.teacher = nn.Sequential(Block(), Block(), nn.Linear(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.student(x)
+
+    model = Distill()
+    model.teacher.requires_grad_(False)
+    opt = torch.optim.AdamW(model.student.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            x = torch.randn(16, 8, generator=g)
+            with torch.no_grad():
+                target = model.teacher(x).softmax(-1)
+            loss = F.cross_entropy(model(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = [f.evidence.get("modules") for f in w.findings() if f.code == "training-mode-mismatch"]
+    assert found == [["teacher.0.drop_path", "teacher.1.drop_path"]]
+
+
+def test_a_dropout_after_a_frozen_embedding_in_a_model_that_trains_is_no_frozen_part(run_dir):
+    """``nn.Embedding.from_pretrained(freeze=True)`` feeding a Dropout, the rest trained, with a pass that guesses
+    labels under no_grad in training mode each step: the dropout belongs to no frozen part."""
+    torch.manual_seed(0)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding.from_pretrained(torch.randn(50, 8), freeze=True)
+            self.drop = nn.Dropout(0.2)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.drop(self.emb(tokens)).mean(1))
+
+    model = Classifier()
+    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            tokens = torch.randint(0, 50, (16, 6), generator=g)
+            with torch.no_grad():
+                guess = model(tokens).softmax(-1)            # label guessing, in training mode on purpose
+            loss = F.cross_entropy(model(tokens), guess)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert [f for f in w.findings() if f.evidence.get("dropout_in_frozen_block")] == []

@@ -184,3 +184,61 @@ def test_an_evaluation_after_the_last_step_is_judged_when_the_watcher_closes(run
     found = mode_findings(w)
     assert [(path, severity, evidence.get("monte_carlo_dropout")) for path, severity, evidence in found] == [
         ("encoder.drop", "info", True)]
+
+
+def test_batchnorm_without_running_statistics_is_not_mode_sensitive(run_dir):
+    """TENT's own configuration: BatchNorms without running statistics normalize by the batch in both modes, so
+    their flag against the model's is nothing to report."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 5)).requires_grad_(False).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.train()
+            m.requires_grad_(True)
+            m.track_running_stats, m.running_mean, m.running_var = False, None, None
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            out = model(torch.randn(16, 3, 10, 10, generator=g))
+            entropy = -(out.softmax(1) * out.log_softmax(1)).sum(1).mean()
+            opt.zero_grad()
+            entropy.backward()
+            opt.step()
+            w.step(entropy)
+        assert mode_findings(w) == []
+
+
+def test_a_trained_part_left_in_eval_tells_its_batchnorm_in_its_own_finding(run_dir):
+    """``model.encoder.eval()`` on a part that trains, holding a BatchNorm: one warning at the part, the layer among
+    those inside it, not also an info that calls the layer frozen on purpose."""
+    class WithNorm(Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder.embed = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16))
+
+    torch.manual_seed(0)
+    model = WithNorm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            model.train()
+            model.encoder.eval()
+            x, y = torch.randn(32, 8, generator=g), torch.randint(0, 2, (32,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        found = mode_findings(w)
+    assert [(path, severity) for path, severity, _ in found] == [("encoder", "warning")]
+    assert found[0][2]["modules_inside"] == 9          # 4 dropouts, 3 blocks, the Sequential and its BatchNorm
+
+
+def test_a_torch_container_put_in_eval_is_the_finding_s_module(run_dir):
+    """``model.head.eval()`` on an nn.Sequential: the warning is at the container the user put in eval."""
+    found = run(run_dir, 1, before_step=lambda m: m.head.eval())
+    assert found == [("head", "warning", {"module_training": False, "root_training": True, "modules_inside": 1,
+                                          "mode_set_after_model": True})]

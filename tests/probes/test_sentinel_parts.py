@@ -150,3 +150,54 @@ def test_a_part_called_inside_another_part_is_no_forward_of_its_own(run_dir):
                 model.train()
         (f,) = [f for f in w.findings() if f.code == "eval-builds-graph"]
     assert f.evidence["forwards"] == 2
+
+
+def test_a_frozen_part_evaluated_properly_does_not_end_validation_in_train_mode(run_dir):
+    """A diffusion-style loop over a container root: each step starts with a frozen text encoder in eval under
+    no_grad (the recipe), and a validation samples the trained UNet under no_grad in training mode (the bug). The
+    frozen encoder's calls are no evaluation of the model: they neither count nor end the finding."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"text": nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)),
+                           "unet": nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))})
+    model["text"].requires_grad_(False).eval()
+    opt = torch.optim.AdamW(model["unet"].parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for step in range(6):
+            x, c = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+            with torch.no_grad():
+                cond = model["text"](c)
+            loss = F.mse_loss(model["unet"](torch.cat([x, cond], 1)), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if step == 2:
+                with torch.no_grad():                       # sampling, still in training mode
+                    model["unet"](torch.cat([x, cond], 1))
+        assert codes(w) & MODE_CODES == {"train-mode-under-no-grad"}
+
+
+def test_an_ema_target_no_optimizer_holds_is_no_validation_even_requiring_grad(run_dir):
+    """BYOL's target network: an EMA of the online one, requires_grad left True, held by no optimizer, run in
+    training mode under no_grad as a part of a container root."""
+    import copy
+    torch.manual_seed(0)
+    online = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.ModuleDict({"online": online, "target": copy.deepcopy(online)})
+    opt = torch.optim.SGD(model["online"].parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(5):
+            x = torch.randn(32, 8, generator=g)
+            with torch.no_grad():
+                target = model["target"](x + 0.1)
+            loss = F.mse_loss(model["online"](x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, o in zip(model["target"].parameters(), model["online"].parameters(), strict=True):
+                    t.mul_(0.99).add_(o, alpha=0.01)
+            w.step(loss)
+        assert codes(w) & MODE_CODES == set()
