@@ -178,8 +178,8 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
     parents_of_called: set[int] | None = None
     for i in [i for i, n in enumerate(first_called) if not n]:
         owners = owners_of[i]
-        if owners is _NOBODY:
-            continue
+        if owners is _NOBODY or owners == (index.root_id,):
+            continue            # the model's own tensors read by a loop that calls its parts (CLIP's logit_scale)
         if not any(calls.get(m) for m in owners) and not any(m in index.bypass_exempt for m in owners) \
                 and not any(_inside_script(index, m) for m in owners):
             if parents_of_called is None:          # made once, in the rare step that has a candidate

@@ -201,3 +201,33 @@ def test_an_ema_target_no_optimizer_holds_is_no_validation_even_requiring_grad(r
                     t.mul_(0.99).add_(o, alpha=0.01)
             w.step(loss)
         assert codes(w) & MODE_CODES == set()
+
+
+def test_the_model_s_own_parameter_read_beside_its_parts_is_no_bypass(run_dir):
+    """CLIP's loop: the image and text towers called one by one (open_clip's encode_image/encode_text), the
+    model's own logit_scale read directly. The model's forward never runs; nothing bypassed it."""
+    torch.manual_seed(0)
+
+    class Clip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.image = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 8))
+            self.text = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.Linear(16, 8))
+            self.logit_scale = nn.Parameter(torch.tensor(2.6))
+
+        def forward(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+            return self.logit_scale.exp() * self.image(img) @ self.text(txt).T
+
+    model = Clip()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with probes.watch(model, opt, run_dir=run_dir, every=1) as w:
+        for _ in range(4):
+            img, txt = torch.randn(16, 8, generator=g), torch.randn(16, 6, generator=g)
+            logits = model.logit_scale.exp() * F.normalize(model.image(img)) @ F.normalize(model.text(txt)).T
+            loss = F.cross_entropy(logits, torch.arange(16))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+        assert [f for f in w.findings() if f.code == "forward-bypassed"] == []
