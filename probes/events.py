@@ -283,23 +283,14 @@ class EventBook:
         if frozen:
             # every normalization layer that ran is in eval while the model trains (or those in frozen blocks):
             # frozen statistics, one finding
-            seen = [mismatch.pop(mid)[0] for mid in frozen]
-            out.append(findings.frozen_normalization([view.module_path(m) for m in frozen],
-                                                     sorted({view.module_type(m) for m in frozen}),
-                                                     min(o.first for o in seen), max(o.last for o in seen),
-                                                     max(o.count for o in seen), in_frozen_blocks))
+            out.append(findings.frozen_normalization(_group(view, {mid: mismatch.pop(mid)[0] for mid in frozen}),
+                                                     in_frozen_blocks))
         updating = {mid: o for mid, o in self._frozen_norm_updating.items() if view.has_module(mid)}
         if updating:
-            seen_u = list(updating.values())
-            out.append(findings.frozen_normalization_updating(
-                [view.module_path(m) for m in updating], sorted({view.module_type(m) for m in updating}),
-                min(o.first for o in seen_u), max(o.last for o in seen_u), max(o.count for o in seen_u)))
+            out.append(findings.frozen_normalization_updating(_group(view, updating)))
         noisy = {mid: o for mid, o in self._frozen_dropout.items() if view.has_module(mid)}
         if noisy:
-            seen_d = list(noisy.values())
-            out.append(findings.frozen_dropout_active(
-                [view.module_path(m) for m in noisy], sorted({view.module_type(m) for m in noisy}),
-                min(o.first for o in seen_d), max(o.last for o in seen_d), max(o.count for o in seen_d)))
+            out.append(findings.frozen_dropout_active(_group(view, noisy)))
         out += _mismatches(view, {mid: m for mid, m in mismatch.items()
                                   # a frozen teacher or backbone put in eval: the recipe
                                   if m[1] or not m[2] or not in_frozen_block(view, mid)})
@@ -402,10 +393,16 @@ def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, 
             pretrained=node is not None and node.type_module.startswith("transformers.")))
     for group, make in ((monte_carlo, findings.monte_carlo_dropout), (adapted, findings.norms_training_in_eval)):
         if group:
-            seen = [mismatch[mid][0] for mid in group]
-            out.append(make([view.module_path(m) for m in group], sorted({view.module_type(m) for m in group}),
-                            min(o.first for o in seen), max(o.last for o in seen), max(o.count for o in seen)))
+            out.append(make(_group(view, {mid: mismatch[mid][0] for mid in group})))
     return out
+
+
+def _group(view: ModelView, seen: Mapping[int, Occurrence]) -> findings.ModuleGroup:
+    """The modules of a grouped finding (in their order), and when they were seen."""
+    occurrences = list(seen.values())
+    return findings.ModuleGroup([view.module_path(m) for m in seen], sorted({view.module_type(m) for m in seen}),
+                                min(o.first for o in occurrences), max(o.last for o in occurrences),
+                                max(o.count for o in occurrences))
 
 
 def _in_part_out_of_step(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, bool]],

@@ -76,6 +76,31 @@ def make(code: str, path: str, message: str, evidence: dict[str, Any] | None = N
                    count=count)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModuleGroup:
+    """Modules one finding names together (a grouped finding sits at the root or at its first module), and when
+    they were seen: the first step of any, the last step of any, the most times any was seen."""
+
+    paths: Sequence[str]
+    types: Sequence[str]
+    first_step: int
+    step: int
+    count: int
+
+    @property
+    def one(self) -> bool:
+        return len(self.paths) == 1
+
+    def shown(self) -> str:
+        """The first five paths as users read them, and how many more."""
+        paths = self.paths
+        return ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5
+                                                                 else "")
+
+    def evidence(self, **more: Any) -> dict[str, Any]:
+        return {"modules": list(self.paths[:50]), "n_modules": len(self.paths), **more}
+
+
 def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (SEVERITY_ORDER[Severity(f.severity)], f.code, f.path))
 
@@ -512,98 +537,81 @@ def training_mode_mismatch(path: str, type_name: str, training: bool, root_train
                     "it is meant.")
 
 
-def norms_training_in_eval(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                           count: int) -> Finding:
+def norms_training_in_eval(group: ModuleGroup) -> Finding:
     """Normalization layers put in training mode after model.eval(): their running statistics move to the batches
     the model evaluates. Test-time adaptation (TENT) does it on purpose; an evaluation does not. One warning, at the
     first layer."""
-    one = len(paths) == 1
-    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
-                f"{len(paths):,} normalization layer{'' if one else 's'} ({', '.join(types)}: {_shown(paths)}) ran in "
-                f"training mode while the model was in eval mode: {'its' if one else 'their'} mode was set after "
-                f"model.eval(), so {'its' if one else 'their'} running statistics move to the batches evaluated "
-                "(test-time adaptation such as TENT does this on purpose).",
-                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
-                          "root_training": False, "mode_set_after_model": True},
-                severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+    its = "its" if group.one else "their"
+    return make(FindingCode.TRAINING_MODE_MISMATCH, group.paths[0],
+                f"{len(group.paths):,} normalization layer{'' if group.one else 's'} ({', '.join(group.types)}: "
+                f"{group.shown()}) ran in training mode while the model was in eval mode: {its} mode was set after "
+                f"model.eval(), so {its} running statistics move to the batches evaluated (test-time adaptation such "
+                "as TENT does this on purpose).",
+                evidence=group.evidence(module_training=True, root_training=False, mode_set_after_model=True),
+                severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count,
                 fix="Call model.eval() after whatever put them in training mode, unless adapting them to the test "
                     "data is meant.")
 
 
-def _shown(paths: Sequence[str]) -> str:
-    return ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
-
-
-def frozen_dropout_active(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                          count: int) -> Finding:
+def frozen_dropout_active(group: ModuleGroup) -> Finding:
     """Dropout layers inside frozen blocks (unchanged between sampled steps) ran in training mode under no_grad in
     training steps: a frozen teacher's targets (or a frozen backbone's features) are randomly masked, though nothing
     in the block trains. One warning, at the first layer."""
-    one = len(paths) == 1
-    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
-                f"{len(paths):,} dropout layer{'' if one else 's'} ({', '.join(types)}: {_shown(paths)}) in frozen "
-                f"blocks (every parameter requires_grad=False, unchanged) ran in training mode under no_grad in "
-                "training steps: what the frozen part computes (a teacher's targets, a frozen backbone's features) is "
-                "randomly masked at every call, though nothing in it trains.",
-                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
-                          "frozen_parameters": True, "dropout_in_frozen_block": True},
-                severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+    return make(FindingCode.TRAINING_MODE_MISMATCH, group.paths[0],
+                f"{len(group.paths):,} dropout layer{'' if group.one else 's'} ({', '.join(group.types)}: "
+                f"{group.shown()}) in frozen blocks (every parameter requires_grad=False, unchanged) ran in training "
+                "mode under no_grad in training steps: what the frozen part computes (a teacher's targets, a frozen "
+                "backbone's features) is randomly masked at every call, though nothing in it trains.",
+                evidence=group.evidence(module_training=True, frozen_parameters=True, dropout_in_frozen_block=True),
+                severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count,
                 fix="Put the frozen part in eval mode after every model.train() (teacher.eval()), or override its "
                     "train() to stay in eval.")
 
 
-def monte_carlo_dropout(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                        count: int) -> Finding:
+def monte_carlo_dropout(group: ModuleGroup) -> Finding:
     """Dropout layers put back in training mode after model.eval(): Monte Carlo dropout, on purpose. One info, at
     the first layer."""
-    shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
-    one = len(paths) == 1
-    return make(FindingCode.TRAINING_MODE_MISMATCH, paths[0],
-                f"{len(paths):,} dropout layer{'' if one else 's'} ({', '.join(types)}: {shown}) ran in training mode "
-                f"while the model was in eval mode: {'its' if one else 'their'} mode was set after model.eval(), as "
-                "Monte Carlo dropout does on purpose (each evaluation then draws random masks).",
-                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
-                          "root_training": False, "monte_carlo_dropout": True},
-                severity=Severity.INFO, step=step, first_step=first_step, count=count,
+    return make(FindingCode.TRAINING_MODE_MISMATCH, group.paths[0],
+                f"{len(group.paths):,} dropout layer{'' if group.one else 's'} ({', '.join(group.types)}: "
+                f"{group.shown()}) ran in training mode while the model was in eval mode: "
+                f"{'its' if group.one else 'their'} mode was set after model.eval(), as Monte Carlo dropout does on "
+                "purpose (each evaluation then draws random masks).",
+                evidence=group.evidence(module_training=True, root_training=False, monte_carlo_dropout=True),
+                severity=Severity.INFO, step=group.step, first_step=group.first_step, count=group.count,
                 fix="Nothing, if Monte Carlo dropout is meant; otherwise call model.eval() after whatever put them in "
                     "training mode.")
 
 
-def frozen_normalization(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                         count: int, in_frozen_blocks: bool = False) -> Finding:
+def frozen_normalization(group: ModuleGroup, in_frozen_blocks: bool = False) -> Finding:
     """Every normalization layer that ran was in eval mode while the model trained: their running statistics
     frozen, which fine-tuning does on purpose (mmdetection's norm_eval, timm's freeze_bn). One info at the root."""
-    shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
     return make(FindingCode.TRAINING_MODE_MISMATCH, "",
-                f"{len(paths):,} normalization layer{'s' if len(paths) != 1 else ''} ({', '.join(types)}: {shown}) "
-                "ran in eval mode while the model trained, "
+                f"{len(group.paths):,} normalization layer{'' if group.one else 's'} ({', '.join(group.types)}: "
+                f"{group.shown()}) ran in eval mode while the model trained, "
                 + ("inside frozen blocks" if in_frozen_blocks else "and none in training mode")
                 + ": their running statistics "
                 "are frozen, as fine-tuning does on purpose (mmdetection's norm_eval, timm's freeze_bn). If that "
                 "is not meant, something put them in eval() after model.train().",
-                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": False,
-                          "root_training": True, "frozen_normalization": True},
-                severity=Severity.INFO, step=step, first_step=first_step, count=count)
+                evidence=group.evidence(module_training=False, root_training=True, frozen_normalization=True),
+                severity=Severity.INFO, step=group.step, first_step=group.first_step, count=group.count)
 
 
-def frozen_normalization_updating(paths: Sequence[str], types: Sequence[str], first_step: int, step: int,
-                                  count: int) -> Finding:
+def frozen_normalization_updating(group: ModuleGroup) -> Finding:
     """Normalization layers whose parameters are frozen, inside frozen blocks, ran in training mode in training
     steps: their running statistics still move to the batches, so the frozen part is not frozen. One warning."""
-    shown = ", ".join(display_path(p) for p in paths[:5]) + (f" and {len(paths) - 5:,} more" if len(paths) > 5 else "")
-    one = len(paths) == 1
+    its = "its" if group.one else "their"
     return make(FindingCode.TRAINING_MODE_MISMATCH, "",
-                f"{len(paths):,} normalization layer{'' if one else 's'} ({', '.join(types)}: {shown}) in frozen "
-                f"blocks (every parameter requires_grad=False) ran in training mode in training steps: "
-                f"{'its' if one else 'their'} running_mean and running_var keep moving to these batches, so the "
-                "frozen part still changes, and evaluation uses statistics it was never trained with.",
-                evidence={"modules": list(paths[:50]), "n_modules": len(paths), "module_training": True,
-                          "root_training": True, "frozen_parameters": True, "running_statistics_updated": True},
+                f"{len(group.paths):,} normalization layer{'' if group.one else 's'} ({', '.join(group.types)}: "
+                f"{group.shown()}) in frozen blocks (every parameter requires_grad=False) ran in training mode in "
+                f"training steps: {its} running_mean and running_var keep moving to these batches, so the frozen "
+                "part still changes, and evaluation uses statistics it was never trained with.",
+                evidence=group.evidence(module_training=True, root_training=True, frozen_parameters=True,
+                                        running_statistics_updated=True),
                 fix="Put them in eval mode after every model.train() (for m in frozen.modules(): if isinstance(m, "
                     "nn.modules.batchnorm._BatchNorm): m.eval()), or replace them with "
                     "torchvision.ops.FrozenBatchNorm2d. If adapting the statistics to new data is meant (AdaBN), "
                     "ignore this.",
-                severity=Severity.WARNING, step=step, first_step=first_step, count=count)
+                severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count)
 
 
 def _times(count: int) -> str:
