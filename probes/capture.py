@@ -192,7 +192,7 @@ class StepRecord:
     # mid -> the model's modes it ran in step with in some call (1: eval, 2: train, 3: both): a mismatch's fix shows
     # in any call, not only in the step's last
     agreed: dict[int, int] = dataclasses.field(default_factory=dict)
-    frozen_norms: frozen.FrozenNormSample | None = None   # normalization layers in training mode in frozen blocks
+    frozen_blocks: frozen.FrozenBlockSample | None = None   # norms, dropouts in training mode in frozen blocks
     lrs: dict[int, float | None] = dataclasses.field(default_factory=dict)          # tensor -> its group's lr
     # tensor -> where its group's lr is among the fetched vectors, for an lr held as a tensor on a device whose reads
     # cost a sync (fused optimizers take one): read with the step's one host copy, not in the optimizer hook
@@ -822,9 +822,9 @@ class StepCapture:
         if drops:                  # those run in training mode under no_grad: a frozen teacher's targets, noisy
             drops = [m for m in drops if any(r.training and not r.grad_enabled for r in rec.rows.get(m, ()))]
         if norms or drops:
-            sampled = frozen.sample_frozen_norms(index, norms or (), drops or ())
+            sampled = frozen.sample_frozen_blocks(index, norms or (), drops or ())
             if sampled is not None:
-                rec.frozen_norms = frozen.FrozenNormSample(rec.measurements.add(sampled[0]), sampled[1])
+                rec.frozen_blocks = frozen.FrozenBlockSample(rec.measurements.add(sampled[0]), sampled[1])
         return rec
 
     def _output_grad_norms(self, grads: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> torch.Tensor:

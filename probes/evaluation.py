@@ -39,7 +39,7 @@ class DecodedStep:
     record: StepRecord
     modules: ModuleColumns
     tensors: TensorColumns
-    frozen_norms: Mapping[int, BlockState]      # normalization layers in training mode in frozen blocks
+    frozen_blocks: Mapping[int, BlockState]      # norms and dropouts in training mode in frozen blocks
 
 
 # sampled training steps (an optimizer stepped, a gradient reached the model) in which a parameter no optimizer holds
@@ -77,7 +77,7 @@ class Evaluator:
         if moved:
             self._moved.update(moved)
             ops.append(records.moved_op(self.rank, moved))
-        norms = rec.frozen_norms.read(values[rec.frozen_norms.slot]) if rec.frozen_norms is not None else {}
+        norms = rec.frozen_blocks.read(values[rec.frozen_blocks.slot]) if rec.frozen_blocks is not None else {}
         return DecodedStep(step, rec, modules, tensors, norms), ops
 
     def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[Finding],
@@ -92,7 +92,7 @@ class Evaluator:
             bad_modules=decoded.modules.nonfinite_in_order(),
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped,
-            stepped=frozenset(rec.stepped), frozen_norms=decoded.frozen_norms), index)
+            stepped=frozenset(rec.stepped), frozen_blocks=decoded.frozen_blocks), index)
         self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
         if rec.optimizer_stepped and rec.arrived:
             self._count_orphans(rec, rec.index or index)

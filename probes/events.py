@@ -68,8 +68,9 @@ class SampledEvents:
     bad_grads: Sequence[int]                    # tensors with a non-finite gradient (forward order)
     optimizer_skipped: bool                     # optimizers are watched but none stepped (an AMP skip)
     stepped: frozenset[int] = frozenset()       # the watched optimizers that stepped (their index)
-    # normalization layers that ran in training mode inside frozen blocks (in a step that trained): their block then
-    frozen_norms: Mapping[int, BlockState] = dataclasses.field(default_factory=dict)
+    # normalization layers (dropouts: under no_grad) that ran in training mode inside frozen blocks (in a step that
+    # trained): their block then
+    frozen_blocks: Mapping[int, BlockState] = dataclasses.field(default_factory=dict)
 
 
 # sampled steps in which a trained tensor's module ran and no gradient reached it before it is reported (one could be
@@ -167,7 +168,7 @@ class EventBook:
                     self._bypass[c.tensor_id] = (seen_b[0], c.module_ids, c)
             self.changed = True
         if ev.stepped:
-            self._observe_frozen_norms(ev, view)
+            self._observe_frozen_blocks(ev, view)
         flagged = {c.tensor_id for c in ev.bypass}
         for tid in [t for t in self._bypass if t not in flagged and t in ev.arrived]:
             if any(m in ev.called for m in ev.owners.get(tid, ())):
@@ -225,10 +226,10 @@ class EventBook:
                 del self._mismatch[mid]                # in step with the model in that mode now
                 self.changed = True
 
-    def _observe_frozen_norms(self, ev: SampledEvents, view: ModelView) -> None:
+    def _observe_frozen_blocks(self, ev: SampledEvents, view: ModelView) -> None:
         """(A step in which a watched optimizer stepped.) The normalization layers that ran in training mode inside
         frozen blocks, against their block's parameters at the last such step."""
-        for mid, block in ev.frozen_norms.items():
+        for mid, block in ev.frozen_blocks.items():
             unchanged = self._norm_blocks.get(mid) == block
             self._norm_blocks[mid] = block
             book = self._frozen_norm_updating if is_norm(view, mid) else self._frozen_dropout
@@ -242,7 +243,7 @@ class EventBook:
             elif book.pop(mid, None) is not None:
                 self.changed = True                    # its block changed: trained, or a momentum copy
         for mid in ev.modes:
-            if mid not in ev.frozen_norms and (self._frozen_norm_updating.pop(mid, None) is not None
+            if mid not in ev.frozen_blocks and (self._frozen_norm_updating.pop(mid, None) is not None
                                                or self._frozen_dropout.pop(mid, None) is not None):
                 self.changed = True                    # in eval mode now, or trainable
 

@@ -1,4 +1,4 @@
-"""Normalization layers with running statistics, and the frozen blocks around them.
+"""Normalization layers with running statistics, dropout layers, and the frozen blocks around them.
 
 A block is frozen when none of its parameters is trainable and they do not change between sampled steps. Whether
 they changed is told by a sample of their values taken at the end of each sampled step (with the step's one host
@@ -42,9 +42,10 @@ class BlockState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FrozenNormSample:
-    """The normalization layers that ran in training mode inside frozen blocks in a sampled step that trained, and
-    where their block's sampled values lie in the step's fetched vector ``slot``."""
+class FrozenBlockSample:
+    """The normalization layers (and the dropout layers, under no_grad) that ran in training mode inside frozen blocks
+    in a sampled step that trained, and where their block's sampled values lie in the step's fetched vector
+    ``slot``."""
 
     slot: int
     spans: Mapping[int, tuple[int, int, int]]       # module id -> (start, length, version sum)
@@ -54,12 +55,12 @@ class FrozenNormSample:
                 for mid, (start, n, versions) in self.spans.items()}
 
 
-def sample_frozen_norms(view: ModulesView, norms: Iterable[int], dropouts: Iterable[int] = ()
+def sample_frozen_blocks(view: ModulesView, norms: Iterable[int], dropouts: Iterable[int] = ()
                         ) -> tuple[torch.Tensor, dict[int, tuple[int, int, int]]] | None:
     """For the normalization layers with running statistics among ``norms`` (they ran in training mode) and the
     dropout layers ``dropouts`` (they ran in training mode under no_grad) that are in frozen blocks: one vector of
     their blocks' sampled values (each block once), and where each layer's lies (the ``spans`` of a
-    :class:`FrozenNormSample`); None when there are none (the common case)."""
+    :class:`FrozenBlockSample`); None when there are none (the common case)."""
     parts: list[torch.Tensor] = []
     spans: dict[int, tuple[int, int, int]] = {}
     blocks: dict[tuple[int, ...], tuple[int, int, int]] = {}
