@@ -111,7 +111,7 @@ def _fmt(n: int) -> str:
 
 # ------------------------------------------------------------------------------------ structure
 def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, owner: str,
-                        mode_sensitive: Sequence[str], matters: bool, step: int | None,
+                        mode_sensitive: Sequence[str], step: int | None,
                         frozen_only: bool = False, all_frozen: bool = False) -> Finding:
     """``frozen_only``: every parameter in it has requires_grad=False and it has no buffers and no mode-sensitive
     module (a frozen base kept out of state_dict on purpose, or by mistake): nothing trains it either way, what it
@@ -120,23 +120,24 @@ def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, o
     msg = (f"{type_name} at {display_path(path)} is held in a plain Python attribute/container, not "
            "registered: ")
     severity: str | None = None
-    if matters and frozen_only:
+    if frozen_only:
         msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
                 "so nothing trains them either way, but state_dict() does not save them and .to()/.cuda() do not "
                 "move them (a forward after model.to(device) fails).")
         severity = Severity.WARNING
-    elif matters and all_frozen:
+    elif all_frozen:
         modes = f" ({', '.join(mode_sensitive)})" if mode_sensitive else ""
         msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
                 f"but model.eval()/.train() never reach its modules{modes}, so their mode stays whatever it was "
                 "(BatchNorm statistics keep moving to the batches), and state_dict() does not save it nor "
                 ".to()/.cuda() move it.")
-    elif matters:
+    elif n_tensors:
         msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) run in forward and get gradients "
                 "but are invisible to model.parameters(), the optimizer, state_dict(), .to() and .eval().")
     else:
-        msg += "it holds no parameters or buffers, so only .train()/.eval() miss it."
-        severity = Severity.INFO
+        modes = f" ({', '.join(mode_sensitive)})" if mode_sensitive else ""
+        msg += (f"it holds no parameters, but buffers or a mode{modes} that state_dict(), .to() or "
+                ".train()/.eval() never reach.")
     return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=severity,
                 evidence={"type": type_name, "parameter_tensors": n_tensors, "parameter_numbers": numel,
                           "reachable_from": display_path(owner), "mode_sensitive": list(mode_sensitive),

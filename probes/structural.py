@@ -44,13 +44,15 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
         if not node.top_level_unregistered or node.module is None:
             continue
         sub = node.module
+        if not subtree_has_state_or_modes(sub):
+            continue        # drawn in the tree: nothing the optimizer, state_dict(), .to() or .eval() could miss
         modes = sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)})
         owner = modules[node.parent_id].path if node.parent_id is not None else ""
         params = list(sub.parameters())
         all_frozen = bool(params) and not any(p.requires_grad for p in params)
         frozen_only = all_frozen and not modes and next(iter(sub.buffers()), None) is None
         out.append(findings.unregistered_module(node.path, node.type, len(params), node.params_total, owner, modes,
-                                                subtree_has_state_or_modes(sub), step, frozen_only=frozen_only,
+                                                step, frozen_only=frozen_only,
                                                 all_frozen=all_frozen))
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED

@@ -9,6 +9,7 @@ import collections
 import collections.abc
 import dataclasses
 import enum
+import functools
 import sys
 import types
 import weakref
@@ -479,12 +480,29 @@ def build_structure(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
 
 
 def subtree_has_state_or_modes(module: nn.Module) -> bool:
-    """True when a module matters to the optimizer/state_dict/.to()/eval()."""
+    """True when a module matters to the optimizer/state_dict/.to()/eval(): it holds parameters or buffers, or
+    behaves differently in training and eval (a mode-sensitive layer, or a forward that reads ``self.training``).
+    A stateless helper held in a plain dict (transformers' ``_kernel_funcs``) matters to none of them."""
     for m in module.modules():
         if any(v is not None for v in m._parameters.values()) or \
-                any(v is not None for v in m._buffers.values()) or is_mode_sensitive(m):
+                any(v is not None for v in m._buffers.values()) or is_mode_sensitive(m) or reads_training_flag(m):
             return True
     return False
+
+
+def reads_training_flag(module: nn.Module) -> bool:
+    """Whether the module's class has a forward whose code (or a function defined inside it) reads an attribute
+    named ``training``: its output may depend on the mode."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and _code_reads_training(code)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_reads_training(code: types.CodeType) -> bool:
+    if "training" in code.co_names:
+        return True
+    return any(isinstance(c, types.CodeType) and _code_reads_training(c) for c in code.co_consts)
 
 
 @dataclasses.dataclass(frozen=True)
