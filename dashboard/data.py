@@ -37,6 +37,7 @@ from typing import Any
 
 from probes.schema import (
     ADDED_COLUMNS,
+    ADDED_TABLES,
     LEGACY_STORE_FILENAME,
     LOCK_SUFFIX,
     MIN_READ_VERSION,
@@ -505,9 +506,9 @@ class Store:
         if version > SCHEMA_VERSION:
             raise StoreError(f"{self.path}: written by schema version {version}, "
                              f"this dashboard reads up to {SCHEMA_VERSION}")
-        missing = [t for t in TABLES if t not in tables]
+        missing = [t for t in TABLES if t not in tables and ADDED_TABLES.get(t, 0) <= max(version, 1)]
         if version == 0 or missing:
-            if allow_missing and self.live and (version == 0 or len(missing) == len(TABLES)):
+            if allow_missing and self.live and (version == 0 or len(missing) == len([t for t in TABLES if t not in ADDED_TABLES])):
                 return None  # the writer is still creating it
             if version == 0 and not missing:
                 raise StoreError(f"{self.path}: not a modscope store (schema version not set)")

@@ -35,14 +35,14 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
+__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
            "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
            "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
            "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
            "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
            "status_path", "store_filename"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
 
 # ---------------------------------------------------------------------------------- file names
@@ -373,7 +373,8 @@ CREATE TABLE IF NOT EXISTS ranks (
     probe_errors    INTEGER NOT NULL DEFAULT 0,
     overhead        REAL,              -- measured probe time / training time (fraction)
     write_errors    INTEGER NOT NULL DEFAULT 0,   -- v2: commits that failed (disk full, I/O error)
-    last_error      TEXT               -- v2: SQLite's message for the last failed commit
+    last_error      TEXT,              -- v2: SQLite's message for the last failed commit
+    next_sample     INTEGER            -- v5: the step of the next full sample as the schedule stands (NULL: unknown)
 );
 CREATE TABLE IF NOT EXISTS modules (
     rank                INTEGER NOT NULL,
@@ -467,6 +468,18 @@ CREATE TABLE IF NOT EXISTS param_stats (
     PRIMARY KEY (rank, param_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS param_stats_by_step ON param_stats(rank, step);
+CREATE TABLE IF NOT EXISTS param_series (
+    -- v5: the dense tier. Cheap per-tensor norms taken on steps that are not full samples (one fused device
+    -- reduction per step, read back with the next full sample or at close). A full sample's own values are in
+    -- param_stats at its step: a parameter's series is the union of both.
+    rank      INTEGER NOT NULL,
+    param_id  INTEGER NOT NULL,
+    step      INTEGER NOT NULL,
+    grad_norm REAL,                  -- at the optimizer step, unscaled, as param_stats.grad_norm; NULL: no .grad
+    data_norm REAL,                  -- the weight's norm after the optimizer step, as param_stats.data_norm
+    PRIMARY KEY (rank, param_id, step)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS param_series_by_step ON param_series(rank, step);
 CREATE TABLE IF NOT EXISTS findings (
     rank       INTEGER NOT NULL,
     code       TEXT NOT NULL,        -- FindingCode
@@ -496,12 +509,14 @@ CREATE TABLE IF NOT EXISTS probe_errors (
 );
 """
 
-TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats", "param_stats", "findings",
+TABLES = ("meta", "ranks", "modules", "params", "steps", "module_stats", "param_stats", "param_series", "findings",
           "probe_errors")
+# Tables added after version 1: a reader of an older store reads them as empty.
+ADDED_TABLES: MappingProxyType[str, int] = MappingProxyType({"param_series": 5})
 
 # Columns added after version 1: readers of an older store read them as NULL (or the default).
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
-    "ranks": (("write_errors", "0"), ("last_error", "NULL")),
+    "ranks": (("write_errors", "0"), ("last_error", "NULL"), ("next_sample", "NULL")),
     "modules": (("removed_step", "NULL"),),
     "params": (("removed_step", "NULL"),),
     "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
