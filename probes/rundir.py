@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+from .sampling import Schedule
 from .schema import LOCK_SUFFIX, RUN_ID_RE, status_path, store_filename
 
 RUN_ID_ENV = "MODSCOPE_RUN_ID"            # an explicit run id, the same on every rank (and node) of a job
@@ -245,26 +246,27 @@ def filesystem_type(path: Path) -> str | None:
 
 # ---------------------------------------------------------------------------------- the sampling interval
 class StoreIntervalChannel:
-    """Rank 0's sampling interval, shared through torch.distributed's key-value store (a store operation
-    on sampled steps only, never a collective). Failures are swallowed: a rank that cannot read the
-    announcement keeps its interval, which is still a power of two (its samples nest with the others')."""
+    """Rank 0's sampling schedule (the full sample's and the dense tier's intervals), shared through
+    torch.distributed's key-value store (a store operation on sampled steps and during the start only, never a
+    collective). Failures are swallowed: a rank that cannot read the announcement keeps its intervals, which
+    are still powers of two (its samples nest with the others')."""
 
     def __init__(self, store: object, key: str) -> None:
         self._store = store
         self._key = key
 
-    def announce(self, from_step: int, interval: int) -> None:
+    def announce(self, from_step: int, schedule: Schedule) -> None:
         try:
-            self._store.set(self._key, f"{from_step}:{interval}")  # type: ignore[attr-defined]
+            self._store.set(self._key, f"{from_step}:{schedule.interval}:{schedule.dense}")  # type: ignore[attr-defined]
         except Exception:
             pass
 
-    def latest(self) -> tuple[int, int] | None:
+    def latest(self) -> tuple[int, Schedule] | None:
         try:
             if not self._store.check([self._key]):  # type: ignore[attr-defined]
                 return None
-            first, interval = self._store.get(self._key).decode().split(":")  # type: ignore[attr-defined]
-            return int(first), int(interval)
+            first, interval, dense = self._store.get(self._key).decode().split(":")  # type: ignore[attr-defined]
+            return int(first), Schedule(int(interval), int(dense))
         except Exception:
             return None
 
