@@ -32,7 +32,7 @@ _CELL_WATCHERS: dict[tuple[str, int], tuple[weakref.ref[Watcher], object]] = {}
 
 def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
           every: int | None = None, overhead: float = 0.01, window: int = 16,
-          run_name: str | None = None, boundaries: str = "optimizer") -> Watcher:
+          run_name: str | None = None, boundaries: str = "optimizer", dense: bool | int = True) -> Watcher:
     """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
 
     Args:
@@ -48,6 +48,9 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         run_name: a name shown in the dashboard (default: the run directory's name).
         boundaries: ``"optimizer"`` (default): steps end at the watched optimizers' ``step()``.
             ``"external"``: a framework integration calls ``begin_optimizer_step()`` and ``end_step()``.
+        dense: the dense tier (every tensor's gradient and weight norm on steps between full samples). ``True``
+            (default): its interval is chosen within the budget (with ``every``: every step); ``False``: off;
+            ``N``: every N-th step.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
@@ -62,6 +65,7 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
+    check_dense(dense)
     if boundaries not in tuple(Boundaries):
         raise ValueError(f"boundaries must be one of {[str(b) for b in Boundaries]}, got {boundaries!r}")
     if run_name is not None and not isinstance(run_name, str):
@@ -86,11 +90,18 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         close_cell_watcher(*site)
     watcher = Watcher(model, optimizers, run_dir, run_id=run_id, every=every,
                       overhead=None if every else float(overhead), window=window, rank=rank, world_size=world_size,
-                      run_name=run_name or run_dir.name, boundaries=Boundaries(boundaries))
+                      run_name=run_name or run_dir.name, boundaries=Boundaries(boundaries), dense=dense)
     _WATCHED[unwrap(model)] = weakref.ref(watcher)
     if site is not None:
         _CELL_WATCHERS[site[0]] = (weakref.ref(watcher), site[1])
     return watcher
+
+
+def check_dense(dense: object) -> None:
+    """``dense`` must be True, False or a positive int (the dense tier's interval)."""
+    if not isinstance(dense, bool) and (not isinstance(dense, int) or dense < 1):
+        raise ValueError(f"dense must be True (chosen within the budget), False (off) or a positive int (every N-th "
+                         f"step), got {dense!r}")
 
 
 def _notebook_cell_site() -> tuple[tuple[str, int], object] | None:

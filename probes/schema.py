@@ -470,13 +470,13 @@ CREATE TABLE IF NOT EXISTS param_stats (
 CREATE INDEX IF NOT EXISTS param_stats_by_step ON param_stats(rank, step);
 CREATE TABLE IF NOT EXISTS param_series (
     -- v5: the dense tier. Cheap per-tensor norms taken on steps that are not full samples (one fused device
-    -- reduction per step, read back with the next full sample or at close). A full sample's own values are in
-    -- param_stats at its step: a parameter's series is the union of both.
+    -- reduction per step, read back with the next full sample, a copy of their own, or at close). A full
+    -- sample's own values are in param_stats at its step: a parameter's series is the union of both.
     rank      INTEGER NOT NULL,
     param_id  INTEGER NOT NULL,
     step      INTEGER NOT NULL,
     grad_norm REAL,                  -- at the optimizer step, unscaled, as param_stats.grad_norm; NULL: no .grad
-    data_norm REAL,                  -- the weight's norm after the optimizer step, as param_stats.data_norm
+    data_norm REAL,                  -- the weight's norm at the optimizer step (before it), as param_stats.data_norm
     PRIMARY KEY (rank, param_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS param_series_by_step ON param_series(rank, step);

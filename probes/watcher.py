@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import measure, records
 from .capture import StepCapture, StepRecord, release_outputs
+from .dense import DenseRide, DenseSeries
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
@@ -57,6 +58,7 @@ class UnreadSample:
     fetch: measure.PendingFetch
     loss_slots: list[tuple[int, int]]     # (step, slot) of the losses read with it
     started: int                          # the step counter when the copy started
+    dense: DenseRide | None = None        # the dense tier's values read with it
 
 
 class Boundaries(StrEnum):
@@ -73,7 +75,8 @@ class Watcher:
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
                  run_id: str, every: int | None, overhead: float | None, window: int, rank: int,
-                 world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER) -> None:
+                 world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER,
+                 dense: bool | int = True) -> None:
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
         self.run_id = run_id
@@ -87,7 +90,8 @@ class Watcher:
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
-        self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0)
+        self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0,
+                                      dense=dense, host_timed=measure.reads_free(torch.device(model_device(model))))
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._presence = Presence()                   # what the store holds as the model now, and what left it
@@ -105,9 +109,12 @@ class Watcher:
         self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
                                    model_class=f"{type(user_model).__module__}.{type(user_model).__qualname__}",
                                    device=model_device(model),
-                                   sampling={"every": every, "overhead": overhead, "window": window})
+                                   sampling={"every": every, "overhead": overhead, "window": window,
+                                             "dense": dense})
         self._writer = self._store.writer
         self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
+        self._dense = DenseSeries(rank, self._writer.submit, self._store.series_taken)
+        self._next_sample: int | None = None          # as last written to the store
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
         for oi, opt in enumerate(self._optimizers):
@@ -121,6 +128,9 @@ class Watcher:
         self._cell_end = on_cell_end(_gc_resumer(self))
         if self._policy.should_sample(0):
             self._capture.arm(self._index)
+        else:
+            self._dense.arm(self._policy.dense_due(0))
+        self._write_next_sample(self._policy.next_sample(0))
 
     # ===================================================================== public API
     @property
@@ -147,7 +157,12 @@ class Watcher:
     def begin_optimizer_step(self, optimizer_index: int = 0) -> None:
         """(Integrations, ``boundaries="external"``.) The gradients of watched optimizer ``optimizer_index``
         are final for this step: after accumulation, unscaling and clipping."""
-        if self._closed or self._capture.record is None:
+        if self._closed:
+            return
+        if self._capture.record is None:
+            if self._dense.armed:
+                with self._probe.guard("dense"):
+                    self._dense.take_optimizer(self._probe.step, self._index, optimizer_index)
             return
         with self._probe.guard("optimizer-begin"):
             self._capture.before_optimizer_step(optimizer_index, self._optimizers[optimizer_index])
@@ -194,6 +209,8 @@ class Watcher:
             if threading.get_ident() == self._thread:
                 self._complete_unread(force=True)
                 self._preview_step()
+                with self._probe.guard("dense"):
+                    self._dense.flush()
             self._losses.flush()
             self._write_counters()
             self._writer.flush()
@@ -222,6 +239,8 @@ class Watcher:
                 h.remove()
             self._opt_handles.clear()
             self._losses.flush()
+            with self._probe.guard("dense"):
+                self._dense.close()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
@@ -229,6 +248,7 @@ class Watcher:
             self._sentinel.detach()
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
+            self._write_next_sample(None)
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
         finally:
             self._store.close()
@@ -319,6 +339,9 @@ class Watcher:
             with self._probe.guard("step-boundary"):
                 self._end_step()
         if self._capture.record is None:
+            if self._dense.armed:
+                with self._probe.guard("dense"):
+                    self._dense.take_optimizer(self._probe.step, self._index, opt_index)
             return
         with self._probe.guard("optimizer-pre-hook"):
             self._capture.before_optimizer_step(opt_index, optimizer)
@@ -349,6 +372,11 @@ class Watcher:
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
+        dense_ms = None
+        with self._probe.guard("dense"):
+            if self._dense.armed and not self._optimizers:
+                self._dense.take_all(step, self._index)
+            dense_ms = self._dense.end_step(step)
         t_done = time.perf_counter()
         # the step's wall time as training sees it, finishing work included (the budget compares sampled
         # with unsampled steps); the probe's own time: hooks during the step plus finishing
@@ -357,7 +385,7 @@ class Watcher:
         if self._evaluator.changed:               # an event on a step whose sample is not read yet (or unsampled)
             with self._probe.guard("step-sentinels"):
                 self._publish(step, sampled=False)
-        self._policy.observe(step, step_ms, probe_ms, sampled)
+        self._policy.observe(step, step_ms, probe_ms, sampled, dense_ms)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
         if sampled or self._store.counters_due(self._probe.errors):
             self._write_counters(last_step=step)
@@ -367,19 +395,24 @@ class Watcher:
         self._probe.start_step(step + 1)
         if self._policy.should_sample(step + 1):
             self._capture.arm(self._index)
+            self._dense.arm(False)
+        else:
+            self._dense.arm(self._policy.dense_due(step + 1))
+        self._write_next_sample(self._policy.next_sample(step + 1))
         self._probe.step_t0 = time.perf_counter()
 
     def _finish_sample(self, step: int) -> None:
         rec = self._capture.finish()
         loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
+        dense = self._dense.ride(rec.measurements)
         fetch = rec.measurements.start_fetch()      # the one host copy of this step
         release_outputs(rec)
         self._capture.learn_in_place(rec.measurements.changed_keys)
         if fetch.deferred:
             # non-blocking on an accelerator: read at a later step boundary, once it has landed
-            self._unread = UnreadSample(step, rec, fetch, loss_slots, self._probe.step)
+            self._unread = UnreadSample(step, rec, fetch, loss_slots, self._probe.step, dense)
         else:
-            self._read_sample(step, rec, fetch, loss_slots)
+            self._read_sample(step, rec, fetch, loss_slots, dense)
 
     def _complete_unread(self, force: bool) -> None:
         """Read a deferred sample's copy when it has landed (or now, with ``force``)."""
@@ -388,12 +421,13 @@ class Watcher:
             return
         self._unread = None
         with self._probe.guard("finish-sample"):
-            self._read_sample(u.step, u.record, u.fetch, u.loss_slots)
+            self._read_sample(u.step, u.record, u.fetch, u.loss_slots, u.dense)
 
     def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
-                     loss_slots: list[tuple[int, int]]) -> None:
+                     loss_slots: list[tuple[int, int]], dense: DenseRide | None = None) -> None:
         values = fetch.read(self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
+        self._dense.read_ride(dense, values)
         self._sample_index += 1
         self._store.sampled(step)
         decoded, ops = self._evaluator.decode(step, rec, values, rec.index or self._index)
@@ -429,10 +463,17 @@ class Watcher:
         self._store.write_counters(max(step, 0), self._probe.errors, self._policy.overhead(), self._lost_writes,
                                    status, closed_at)
 
+    def _write_next_sample(self, step: int | None) -> None:
+        """``ranks.next_sample``, whenever the schedule moves it."""
+        if step != self._next_sample:
+            self._next_sample = step
+            self._writer.submit([records.next_sample_op(self.rank, step)], droppable=False)
+
     def _lost_writes(self) -> list[Op]:
         """What failed commits may have held, written again once commits succeed: the tree, the findings."""
         s, step = self._index.structure, self._probe.step
-        return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
+        return [records.next_sample_op(self.rank, self._next_sample),
+                *records.structure_ops(self.rank, s.modules, s.tensors, step),
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
                 *self._evaluator.tracker.rewrite_ops(step)]

@@ -85,6 +85,7 @@ class WatchOptions:
     overhead: float = 0.01
     window: int = 16
     run_name: str | None = None
+    dense: bool | int = True
 
     def __post_init__(self) -> None:
         every, overhead, window = self.every, self.overhead, self.window
@@ -102,10 +103,12 @@ class WatchOptions:
         if self.run_name is not None and not isinstance(self.run_name, str):
             raise TypeError(f"run_name must be a str or None, got {type(self.run_name).__qualname__}: "
                             f"{self.run_name!r:.80}")
+        from ..api import check_dense
+        check_dense(self.dense)
 
     def kwargs(self) -> dict[str, Any]:
         return {"run_dir": self.run_dir, "every": self.every, "overhead": float(self.overhead),
-                "window": self.window, "run_name": self.run_name}
+                "window": self.window, "run_name": self.run_name, "dense": self.dense}
 
 
 def announce(model: nn.Module, run_dir: str | os.PathLike[str], rank: int) -> None:
