@@ -36,6 +36,9 @@ WARMUP_STEPS = 3               # steps 0..2 are always sampled under a budget
 START_STEPS = 256              # the schedule is chosen again at every step of the start
 DENSE_SHARE = 0.25             # the dense tier's share of the budget...
 DENSE_TARGET = 4               # ...or up to all of it, where that keeps one dense step in this many
+# a full sample's cost in the ledger: its extra wall time, at most this many times the probe's own time in it (a step's
+# wall time also holds what the loop did since the step before: the first step's, all since watch(); an evaluation)
+WALL_PER_PROBE = 4.0
 
 
 class Schedule(NamedTuple):
@@ -85,8 +88,8 @@ class SamplingPolicy:
         self._dense_step_ms: collections.deque[float] = collections.deque(maxlen=31)
         self._bare_step_ms: collections.deque[float] = collections.deque(maxlen=31)
         self._n_sampled = 0
-        self._spent_ms = 0.0             # every full sample's wall time and probe time (the start's included)
-        self._spent_probe_ms = 0.0
+        self._spent_ms = 0.0             # what every full sample cost (the start's included): the ledger
+        self._unpriced: list[tuple[float, float]] = []   # (wall, probe ms) of full samples before a plain step
         self._started = False            # the schedule after the start has been chosen (or learnt)
 
     @property
@@ -143,8 +146,9 @@ class SamplingPolicy:
                 self._started = self._choose(step, early=True) or self._leader or self._started
             return
         self._n_sampled += 1
-        self._spent_ms += step_ms
-        self._spent_probe_ms += probe_ms
+        self._unpriced.append((step_ms, probe_ms))
+        if self._plain_ms:
+            self._price(statistics.median(self._plain_ms))
         if self._n_sampled > 1:          # the first step carries one-off warm-up costs
             self._sampled_ms.append(step_ms)
             self._probe_ms.append(probe_ms)
@@ -191,6 +195,12 @@ class SamplingPolicy:
             self._pending = None
             self.interval, self.dense_interval = announced[1]
 
+    def _price(self, base: float) -> None:
+        """Add the full samples not in the ledger yet, priced against ``base``, the plain step's time."""
+        for wall, probe in self._unpriced:
+            self._spent_ms += max(probe, min(wall - base, WALL_PER_PROBE * probe))
+        self._unpriced.clear()
+
     def extra_ms(self) -> float | None:
         """Measured cost of one full sample (ms), or None before there is evidence."""
         if not self._sampled_ms or not self._plain_ms:
@@ -198,7 +208,8 @@ class SamplingPolicy:
                 return statistics.median(self._probe_ms)
             return None
         diff = statistics.median(self._sampled_ms) - statistics.median(self._plain_ms)
-        return max(diff, statistics.median(self._probe_ms), 0.0)
+        probe = statistics.median(self._probe_ms)
+        return max(min(diff, WALL_PER_PROBE * probe), probe, 0.0)
 
     def dense_cost_ms(self) -> float | None:
         """Measured cost of one dense step (ms), or None before one ran."""
@@ -230,8 +241,8 @@ class SamplingPolicy:
         rate = max(budget - dense_rate, budget / MAX_INTERVAL)     # the full sample's share, per step
         interval = min(MAX_INTERVAL, power_of_two_at_least(extra / (rate * base)))
         # the ledger: the step from which the full tier's share of the budget covers every full sample so far
-        spent = max(self._spent_ms - self._n_sampled * base, self._spent_probe_ms)
-        affordable = (spent + extra) / (rate * base)
+        self._price(base)
+        affordable = (self._spent_ms + extra) / (rate * base)
         while interval < MAX_INTERVAL and (step // interval + 1) * interval < affordable:
             interval *= 2
         return Schedule(interval, dense)

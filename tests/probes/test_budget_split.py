@@ -57,6 +57,22 @@ def test_the_budget_holds_from_the_first_step():
     assert full[3] < 200
 
 
+def test_time_before_the_first_step_is_no_cost_of_the_start():
+    """The first step's wall time holds all since watch() (a DataLoader starting its workers: 20 s here) and a later
+    full sample's an evaluation run before it (5 s): the ledger counts a full sample at most WALL_PER_PROBE times
+    the probe's own time, so neither holds the next full samples back."""
+    p = SamplingPolicy(every=None, overhead=0.01)
+    full = []
+    for step in range(400):
+        gap = 20000.0 if step == 0 else 5000.0 if step == 80 else 0.0
+        if p.should_sample(step):
+            full.append(step)
+            p.observe(step, 110.0 + gap, 10.0, True)
+        else:
+            p.observe(step, 100.0 + gap, 0.0, False)
+    assert full[3] < 100 and len(full) > 15, full
+
+
 def test_a_full_sample_comes_as_soon_as_the_budget_affords_it():
     """Cheap full samples (2% of a step, the dense tier 0.2%: every step, leaving 0.8% to full samples): the start's
     three samples and a fourth fit in 0.8% of the steps so far at step 10; the fourth comes at the first multiple
