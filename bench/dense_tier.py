@@ -5,14 +5,13 @@ bench/overhead.py and a 6-layer tanh MLP (width 256, batch 128, SGD).
     python -m bench.dense_tier                          # gpt, cnn, tanh-mlp; 200 steps; one torch thread
     python -m bench.dense_tier --models tanh-mlp --steps 500 --json out.json
 
-The three configurations train their own copy of the model (same seed, same batches) in interleaved blocks of
-``--block`` consecutive steps (a fresh random order for each block), so that the machine's drift falls on all three
-alike. Blocks, not single steps: modscope times a step from the end of the one before, so a configuration's steps
-must follow each other for its budget to see its own step times (only a block's first step also holds the other
-configurations' blocks; 25 is no multiple of the power-of-two intervals before step 400). The overhead is the ratio
-of total step times over every step from the first (the start's full samples included); ``watch()`` and
-``close()`` are timed apart. The coverage is read from each run's store: the steps with per-parameter gradient
-norms (dense series and full samples together) and the full samples.
+The three configurations train their own copy of the model (same seed, same batches) step by step interleaved, in
+a fresh random order each step, so that the machine's drift falls on all three alike. modscope times a step from
+the end of the one before (in a training loop, what the loop does between steps is part of its step): here the
+other configurations' steps run in between, so each watched step's clock is started where its own step starts. The
+overhead is the ratio of total step times over every step from the first (the start's full samples included);
+``watch()`` and ``close()`` are timed apart. The coverage is read from each run's store: the steps with
+per-parameter gradient norms (dense series and full samples together) and the full samples.
 """
 from __future__ import annotations
 
@@ -57,6 +56,8 @@ class Run:
         x, y = batch
         sync(self.device)
         t0 = time.perf_counter()
+        if self.watcher is not None:          # its step starts here, not where this run's last step ended
+            self.watcher._probe.step_t0 = t0
         loss = self.loss_fn(self.model(x), y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -85,17 +86,16 @@ def coverage(store: Path, steps: int) -> dict:
             "full_samples": full}
 
 
-def bench_model(name: str, steps: int, block: int, device: str, workdir: Path) -> dict:
+def bench_model(name: str, steps: int, device: str, workdir: Path) -> dict:
     factory, batch_fn, loss_fn = registry(device)[name]
     runs = [Run(c, dense, factory, batch_fn, loss_fn, name == "tanh-mlp", device, workdir / name / c.replace(" ", "-"))
             for c, dense in CONFIGS.items()]
     batches = [batch_fn() for _ in range(steps)]        # the same batches for all three
     order = random.Random(0)
     try:
-        for start in range(0, steps, block):
+        for batch in batches:
             for run in order.sample(runs, len(runs)):
-                for batch in batches[start:start + block]:
-                    run.step(batch)
+                run.step(batch)
     finally:
         for run in runs:
             run.close()
@@ -118,7 +118,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt,cnn,tanh-mlp", help="comma list of bench.models' registry names")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--block", type=int, default=25, help="consecutive steps of one configuration")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: see benchmarks.md)")
     ap.add_argument("--json", help="write the results as JSON to this file")
@@ -128,16 +127,16 @@ def main(argv=None) -> int:
     unknown = [m for m in models if m not in known]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; expected some of {sorted(known)}")
-    if args.steps < 1 or args.block < 1:
-        ap.error(f"--steps and --block must be positive ints, got {args.steps} and {args.block}")
+    if args.steps < 1:
+        ap.error(f"--steps must be a positive int, got {args.steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}  device={args.device}  threads={torch.get_num_threads()}  "
-          f"{args.steps} steps from the first, in interleaved blocks of {args.block}; default budget (1%)")
+          f"{args.steps} steps from the first, interleaved; default budget (1%)")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
-            r = results[name] = bench_model(name, args.steps, args.block, args.device, Path(tmp))
+            r = results[name] = bench_model(name, args.steps, args.device, Path(tmp))
             print(f"\n{name}: bare {r['bare_ms_per_step']:.1f} ms/step")
             print(f"  {'':10s} {'overhead':>9s} {'+watch/close':>13s} {'self':>6s} {'grad-norm steps':>16s} "
                   f"{'dense':>6s}  schedule (full, dense)  full samples")
