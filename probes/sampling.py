@@ -8,13 +8,14 @@ so every rank of a job samples the same steps and ranks can be compared step by 
 - ``every=N``: full samples at the multiples of N; the dense tier on every other step (``dense=K``: every K-th).
 - the budget (default 1%): full samples at steps 0, 1 and 2 (every finding needs at most three samples, so
   findings appear at once), then at the multiples of the interval; the dense tier at the multiples of its own
-  interval. Both are powers of two, chosen from measured costs: the dense tier takes a quarter of the budget, or
-  up to the whole budget where that is what one dense step in DENSE_TARGET needs; the full sample takes the rest.
-  The budget counts the start of the run: a full sample is taken only once the full tier's share of the budget
-  of the steps so far covers every full sample since step 0 (the first three included), so a short run's full
-  samples come as soon as the budget affords them, and the interval settles at the power of two at or above the
-  measured extra time of a full sample divided by its share of the budget. Full samples stay at most
-  MAX_INTERVAL steps apart, whatever they cost.
+  interval. Both are powers of two, chosen from measured costs: the dense tier takes a quarter of the budget, but
+  keeps one step in DENSE_TARGET while that costs at most DENSE_FLOOR_BUDGETS budgets (on a model whose steps
+  take a few milliseconds on the CPU, a dense step costs 5-15 % of one: the dense tier then takes the whole budget
+  and more, up to 5 % at the default 1 %); the full sample takes the rest. The budget counts the start of the run: a
+  full sample is taken only once the budget of the steps so far covers every full sample and dense step since
+  step 0 (the first three samples included), so a short run's full samples come as soon as the budget affords
+  them, and the interval settles at the power of two at or above the measured extra time of a full sample divided
+  by its share of the budget. Full samples stay at most MAX_INTERVAL steps apart, whatever they cost.
 
 The interval is chosen as soon as one step that is no full sample has been timed, at every such step during the
 first START_STEPS, and after every full sample. In a distributed job rank 0 chooses from its own timings and
@@ -35,7 +36,8 @@ INITIAL_INTERVAL = 16
 WARMUP_STEPS = 3               # steps 0..2 are always sampled under a budget
 START_STEPS = 256              # the schedule is chosen again at every step of the start
 DENSE_SHARE = 0.25             # the dense tier's share of the budget...
-DENSE_TARGET = 4               # ...or up to all of it, where that keeps one dense step in this many
+DENSE_TARGET = 4               # ...but it keeps one dense step in this many...
+DENSE_FLOOR_BUDGETS = 5        # ...while that costs at most this many budgets (a dense step up to 20% of a step)
 # a full sample's cost in the ledger: its extra wall time, at most this many times the probe's own time in it (a step's
 # wall time also holds what the loop did since the step before: the first step's, all since watch(); an evaluation)
 WALL_PER_PROBE = 4.0
@@ -90,6 +92,7 @@ class SamplingPolicy:
         self._n_sampled = 0
         self._spent_ms = 0.0             # what every full sample cost (the start's included): the ledger
         self._unpriced: list[tuple[float, float]] = []   # (wall, probe ms) of full samples before a plain step
+        self._dense_spent_ms = 0.0       # what every dense step cost
         self._started = False            # the schedule after the start has been chosen (or learnt)
 
     @property
@@ -127,7 +130,8 @@ class SamplingPolicy:
             return first
         return _round_up(max(step, self._pending[0]), self._pending[1].interval)
 
-    def observe(self, step: int, step_ms: float, probe_ms: float, sampled: bool, dense_ms: float | None = None) -> None:
+    def observe(self, step: int, step_ms: float, probe_ms: float, sampled: bool,
+                dense_ms: float | None = None) -> None:
         """Record a finished step (``dense_ms``: the dense tier's own time in it, None when it did not run) and
         choose (or learn) the schedule after a full sample, and at the steps of the start."""
         if not sampled:
@@ -135,8 +139,10 @@ class SamplingPolicy:
             if dense_ms is None:
                 self._bare_step_ms.append(step_ms)
             else:
-                self._dense_ms.append(dense_ms)
-                self._dense_step_ms.append(step_ms)
+                self._dense_spent_ms += dense_ms
+                if self._dense_spent_ms > dense_ms:      # the first dense step carries one-off costs (its plan)
+                    self._dense_ms.append(dense_ms)
+                    self._dense_step_ms.append(step_ms)
             # rank 0 stops choosing at every step two steps before the others stop reading at every step: what it
             # announces then applies two steps later, and in lockstep the others have read it by then
             start = START_STEPS - 2 if self._leader else START_STEPS
@@ -216,9 +222,10 @@ class SamplingPolicy:
         if not self._dense_ms:
             return None
         own = statistics.median(self._dense_ms)
-        if self._host_timed or not self._bare_step_ms:
+        if not self._bare_step_ms:
             return own
-        # on an accelerator the reduction runs after the host launched it: dense steps' wall time tells its cost
+        # what dense steps add to the wall time of plain ones: on an accelerator the reduction runs after the host
+        # launched it; on the CPU a pass over every gradient and tensor also leaves the caches colder
         return max(own, statistics.median(self._dense_step_ms) - statistics.median(self._bare_step_ms))
 
     def _budget_schedule(self, step: int) -> Schedule:
@@ -234,15 +241,19 @@ class SamplingPolicy:
         dense_rate = 0.0
         if dense_cost is not None and dense:
             if self._dense_fixed is None:
-                share = power_of_two_at_least(dense_cost / (budget * DENSE_SHARE * base))
-                dense = min(share, max(DENSE_TARGET, power_of_two_at_least(dense_cost / (budget * base))),
-                            MAX_INTERVAL)
+                dense = power_of_two_at_least(dense_cost / (budget * DENSE_SHARE * base))
+                if dense > DENSE_TARGET:
+                    floor = DENSE_FLOOR_BUDGETS * DENSE_TARGET * budget * base
+                    dense = (DENSE_TARGET if dense_cost <= floor
+                             else min(MAX_INTERVAL, power_of_two_at_least(dense_cost / (budget * base))))
             dense_rate = dense_cost / (base * dense)
         rate = max(budget - dense_rate, budget / MAX_INTERVAL)     # the full sample's share, per step
         interval = min(MAX_INTERVAL, power_of_two_at_least(extra / (rate * base)))
-        # the ledger: the step from which the full tier's share of the budget covers every full sample so far
+        # the ledger: the step from which the budget of the steps so far covers every full sample and dense step so
+        # far, the next full sample, and the dense steps until then
         self._price(base)
-        affordable = (self._spent_ms + extra) / (rate * base)
+        owed = self._spent_ms + self._dense_spent_ms - dense_rate * base * step
+        affordable = (owed + extra) / (rate * base)
         while interval < MAX_INTERVAL and (step // interval + 1) * interval < affordable:
             interval *= 2
         return Schedule(interval, dense)

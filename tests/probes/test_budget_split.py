@@ -32,7 +32,8 @@ def run(policy, steps, plain_ms=100.0, full_ms=10.0, dense_ms=1.0, first_full_ms
     (0.1, Schedule(16, 1)),     # cheap: every step, within a quarter of the budget; the full sample gets the rest
     (0.8, Schedule(16, 4)),     # a quarter of the budget allows one step in four
     (3.0, Schedule(64, 4)),     # one step in four takes most of the budget: the full sample has a quarter of 1%
-    (10.0, Schedule(32, 16)),   # too dear for one in four within the budget: a quarter of it
+    (6.0, Schedule(MAX_INTERVAL, 4)),   # one step in four is kept (6% a step: 1.5%), the full sample at its slowest
+    (24.0, Schedule(64, 32)),   # one in four would cost 6%, over 5 budgets: one in 32, within the budget
 ])
 def test_the_budget_is_split_between_the_dense_tier_and_the_full_sample(dense_ms, schedule):
     p = SamplingPolicy(every=None, overhead=0.01)
@@ -41,7 +42,7 @@ def test_the_budget_is_split_between_the_dense_tier_and_the_full_sample(dense_ms
     assert set(dense) >= {s for s in range(2000, 3000) if s % schedule.dense == 0} - set(full)
     expected = 10.0 / (100.0 * schedule.interval) + dense_ms / (100.0 * schedule.dense)
     assert p.overhead() == pytest.approx(expected)
-    assert p.overhead() <= 0.01 + 10.0 / (100.0 * MAX_INTERVAL)
+    assert p.overhead() <= max(0.01, dense_ms / (100.0 * 4)) + 10.0 / (100.0 * MAX_INTERVAL)
 
 
 def test_the_budget_holds_from_the_first_step():
@@ -182,7 +183,7 @@ def test_ranks_in_lockstep_take_the_same_full_and_dense_steps(seed):
                 p.observe(step, 100.0, 0.0, False)
             upcoming[r] = p.should_sample(step + 1)
         schedules.add(ranks[0].schedule)
-    assert len({s.dense for s in schedules}) >= 2 and len(full[0]) > 20
+    assert len({s.dense for s in schedules}) >= 2 and len(full[0]) > 5
     assert full[1] == full[0] and full[2] == full[0]
     assert dense[1] == dense[0] and dense[2] == dense[0]
 
