@@ -3,7 +3,7 @@
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
 dashboard/findings_cli.py; ``run`` starts the training script in a child process
-(``python -m probes.autorun``: this process never imports torch) and, with ``--serve``, the
+(``python -m probes.launch.autorun``: this process never imports torch) and, with ``--serve``, the
 dashboard in another.
 
 Any unusable argument exits with status 2 and one line naming the path and the problem.
@@ -490,7 +490,7 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
-    """``modscope run``: the script runs in a child process (``python -m probes.autorun``), so that
+    """``modscope run``: the script runs in a child process (``python -m probes.launch.autorun``), so that
     this process never imports torch and the dashboard (``--serve``) never enters the training."""
     ours, target = split_run_argv(argv)
     p = _Parser(prog=f"{prog} run", usage=f"{prog} run {COMMANDS['run']}", description=ABOUT["run"],
@@ -527,7 +527,7 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
     except OSError as exc:
         fail(f"--run-dir {run_dir}: cannot create ({exc.strerror or exc})")
     rate_args = ["--every", str(args.every)] if args.every else ["--overhead", repr(args.overhead)]
-    cmd = [sys.executable, "-m", "probes.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
+    cmd = [sys.executable, "-m", "probes.launch.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
     status = _supervise(cmd, run_dir, port if args.serve else None)
     if created:
         try:

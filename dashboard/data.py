@@ -508,7 +508,8 @@ class Store:
                              f"this dashboard reads up to {SCHEMA_VERSION}")
         missing = [t for t in TABLES if t not in tables and ADDED_TABLES.get(t, 0) <= max(version, 1)]
         if version == 0 or missing:
-            if allow_missing and self.live and (version == 0 or len(missing) == len([t for t in TABLES if t not in ADDED_TABLES])):
+            first_tables = [t for t in TABLES if t not in ADDED_TABLES]
+            if allow_missing and self.live and (version == 0 or len(missing) == len(first_tables)):
                 return None  # the writer is still creating it
             if version == 0 and not missing:
                 raise StoreError(f"{self.path}: not a modscope store (schema version not set)")
@@ -1016,7 +1017,7 @@ class Store:
         m = self.module(rank, module_id)
         prefix = f"{m['path']}." if m is not None and m["path"] else ""
         # a candidate for an alias owned here: its JSON list holds a string starting with the module's path
-        encoded = json.dumps(prefix)[1:-1]         # as the writer encodes it (probes.records: json.dumps)
+        encoded = json.dumps(prefix)[1:-1]         # as the writer encodes it (probes.store.records: json.dumps)
         like = '%"' + encoded.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._query(
             f"SELECT {', '.join('p.' + c for c in self._PARAM_COLS)}, p.module_id AS owner_id, "

@@ -29,8 +29,8 @@ TORCH_HINT = ("modscope's probes need PyTorch (>= 2.4), which is not installed: 
               "(the dashboard alone, `modscope serve`, needs no torch)")
 
 # public name -> the submodule that defines it
-_LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings",
-         "CODES": ".findings", "SCHEMA_VERSION": ".schema", "show": ".notebook"}
+_LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings.finding",
+         "CODES": ".findings.finding", "SCHEMA_VERSION": ".schema", "show": ".launch.notebook"}
 _TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION"}
 
 
@@ -78,6 +78,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import audit, watch
-    from .findings import CODES, Finding
-    from .notebook import show
+    from .findings.finding import CODES, Finding
+    from .launch.notebook import show
     from .watcher import Watcher

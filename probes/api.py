@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .findings import Finding, sort_findings
-from .notebook import ipython_shell
-from .rundir import agree_run_id
-from .structural import structural_findings
-from .structure import build_structure, normalize_optimizers, unwrap
+from .findings.finding import Finding, sort_findings
+from .findings.structural import structural_findings
+from .launch.notebook import ipython_shell
+from .model.structure import build_structure, normalize_optimizers, unwrap
+from .store.rundir import agree_run_id
 from .watcher import Boundaries, Watcher
 
 # the open watcher of each model (the user's module, inside any wrapper), weakly: a model is watched by one

@@ -35,8 +35,9 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
-           "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
+__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME",
+           "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind",
+           "RunStatus",
            "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
            "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
            "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
@@ -82,7 +83,7 @@ def parse_store_filename(name: str) -> StoreName | None:
 
 
 # ---------------------------------------------------------------------------------- sampling options
-# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.autorun`) read them
+# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.launch.autorun`) read them
 _N = TypeVar("_N", int, float)
 
 

@@ -1,7 +1,7 @@
 """The Watcher: the public handle of a watched model. It owns step boundaries, the deferred reads of
-sampled steps, losses and counters; the hooks are :mod:`probes.capture`'s, the model is known through
-:mod:`probes.model_index`, samples are decoded by :mod:`probes.decode` and findings are tracked by
-:mod:`probes.tracker`.
+sampled steps, losses and counters; the hooks are :mod:`probes.capture.step`'s, the model is known through
+:mod:`probes.model.index`, samples are decoded by :mod:`probes.capture.decode` and findings are tracked by
+:mod:`probes.findings.tracker`.
 
 Optimizer step hooks mark step boundaries and stay for the whole run (they are not module hooks, so
 modules keep PyTorch's no-hook fast path on unsampled steps).
@@ -26,23 +26,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import measure, records
-from .capture import StepCapture, StepRecord, release_outputs
-from .evaluation import Evaluator
-from .findings import Finding
-from .guard import ProbeRuntime
-from .hooks import HeldHook
-from .losses import LossRecorder
-from .model_index import IdRegistry, ModelIndex, Presence, build_index, model_signature
-from .records import Op
-from .rundir import RunFiles, interval_channel
-from .runtime_modules import RuntimeModules
-from .sampling import SamplingPolicy
+from .capture import measure
+from .capture.guard import ProbeRuntime
+from .capture.hooks import HeldHook
+from .capture.losses import LossRecorder
+from .capture.sampling import SamplingPolicy
+from .capture.sentinels import RootSentinel
+from .capture.step import StepCapture, StepRecord, release_outputs
+from .findings.evaluation import Evaluator
+from .findings.finding import Finding
+from .findings.structural import structural_findings
+from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
+from .model.runtime import RuntimeModules
+from .model.structure import ModuleNode, compiled_modules, model_device, unwrap
 from .schema import RunStatus, StrEnum, display_path
-from .sentinels import RootSentinel
-from .session import StoreSession
-from .structural import structural_findings
-from .structure import ModuleNode, compiled_modules, model_device, unwrap
+from .store import records
+from .store.records import Op
+from .store.rundir import RunFiles, interval_channel
+from .store.session import StoreSession
 
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
@@ -117,7 +118,7 @@ class Watcher:
         atexit.register(self._atexit)
         # in a notebook, a cell interrupted or failing inside a sampled step leaves that step open until the
         # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
-        from .notebook import on_cell_end
+        from .launch.notebook import on_cell_end
         self._cell_end = on_cell_end(_gc_resumer(self))
         if self._policy.should_sample(0):
             self._capture.arm(self._index)
@@ -248,7 +249,7 @@ class Watcher:
         """Show this run's live dashboard inline in a Jupyter notebook and print its URL (see
         :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1). Calling it again
         shows the same server again. Returns the URL, or None when the dashboard could not start."""
-        from .notebook import show
+        from .launch.notebook import show
         return show(self.store_path, height=height)
 
     @property

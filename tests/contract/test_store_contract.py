@@ -458,7 +458,7 @@ def test_a_real_store_as_version_3(runs, tmp_path):
     assert old.change_signature().structure[0] == 7
     tree, _ = modules_page.build_tree(old, 0, [m["module_id"] for m in old.all_modules()], None)
     assert {r["kind"] for r in tree["rows"]} == {"registered", "unregistered"}
-    from probes.store import connect_writer
+    from probes.store.writer import connect_writer
     conn = connect_writer(copy)
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION

@@ -153,7 +153,7 @@ def test_a_tensor_left_unzeroed_does_not_say_most_others_are_zeroed(run_dir):
 
 
 def test_the_count_of_zeroed_tensors_is_said_when_known():
-    from probes import findings
+    from probes.findings import finding as findings
 
     f = findings.grad_accumulating("0.weight", [0.5, 0.7], [0.2, 0.2], 5, optimizer=0, zeroed=2, judged=8)
     assert "2 of the 8 tensors it holds that got gradients are zeroed" in f.message

@@ -23,7 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 import probes
 from bench import stored_stats
-from probes import measure, watcher
+from probes import watcher
+from probes.capture import measure
 
 PROBES_DIR = os.path.dirname(probes.__file__) + os.sep
 # what reads a tensor's values on the host (on a GPU: waits for the device)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import codes, stored
 
 import probes
-from probes import measure
+from probes.capture import measure
 
 
 class Heads(nn.Module):
@@ -188,7 +188,7 @@ def test_a_truncated_walk_removes_no_unregistered_module():
     or tensor: those it missed are not taken for removed; registered ones (model.modules()) still are."""
     from types import SimpleNamespace as NS
 
-    from probes.model_index import Presence
+    from probes.model.index import Presence
 
     def index(modules, tensors, truncated=False):
         return NS(structure=NS(walk_truncated=truncated), modules={i: NS(kind=k) for i, k in modules.items()},

@@ -16,7 +16,7 @@ from helpers import stored
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import probes
-from probes import measure
+from probes.capture import measure
 
 
 class Net(nn.Module):

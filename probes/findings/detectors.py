@@ -44,10 +44,10 @@ from typing import Protocol
 
 import torch
 
-from . import findings
-from .decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
-from .findings import Finding
-from .structure import drops_at_random
+from ..capture.decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
+from ..model.structure import drops_at_random
+from . import finding as findings
+from .finding import Finding
 
 DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
@@ -113,7 +113,7 @@ class _TensorNode(Protocol):
 
 
 class ModelView(Protocol):
-    """What the detectors read about the model (implemented by :class:`probes.model_index.ModelIndex`)."""
+    """What the detectors read about the model (implemented by :class:`probes.model.index.ModelIndex`)."""
 
     @property
     def saturation(self) -> Mapping[int, str | None]: ...      # module id -> 'tanh' | 'sigmoid' | None

@@ -2,7 +2,7 @@
 to the store after every evaluation (only new or changed findings are rewritten).
 
 Findings about a state (an unregistered module, a dead layer) are counted in sampled steps: first and
-last step and count are the tracker's. Findings about events carry their own (see probes.events)."""
+last step and count are the tracker's. Findings about events carry their own (see probes.findings.events)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import dataclasses
 import threading
 from collections.abc import Iterable
 
-from . import records
-from .findings import Finding, sort_findings
-from .model_index import ModelIndex
-from .records import Op
+from ..model.index import ModelIndex
+from ..store import records
+from ..store.records import Op
+from .finding import Finding, sort_findings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The model index: everything the probes need to know about the watched model, as one immutable object.
 
-Built from the static structure walk (:mod:`probes.structure`) with ids that stay stable for the whole
+Built from the static structure walk (:mod:`probes.model.structure`) with ids that stay stable for the whole
 run: a module keeps its id while it is part of the model, also when it moves to another path (a ModuleList item
 popped before it); a new module put at a path (a head replaced mid-run) gets a new id, and so do its tensors, so
 that what it replaced keeps its own rows and history (marked as removed, :class:`Presence`). Plus the modules
-discovered while forward ran (:mod:`probes.runtime_modules`). The detectors read it through the same named methods
+discovered while forward ran (:mod:`probes.model.runtime`). The detectors read it through the same named methods
 the hooks use.
 """
 
@@ -19,9 +19,9 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from . import tensor_stats
+from ..capture import tensor_stats
+from ..schema import FindingCode, ModuleKind, TensorKind
 from .frozen import is_norm
-from .schema import FindingCode, ModuleKind, TensorKind
 from .structure import (
     ModelStructure,
     ModuleNode,
@@ -260,7 +260,7 @@ class ModelIndex:
 
     @functools.cached_property
     def running_stat_norms(self) -> frozenset[int]:
-        """Normalization layers that keep running statistics (:func:`probes.frozen.is_norm`)."""
+        """Normalization layers that keep running statistics (:func:`probes.model.frozen.is_norm`)."""
         return frozenset(n.module_id for n in self.structure.modules if is_norm(self, n.module_id))
 
     # These lists are computed once per index: the index is rebuilt when a parameter is replaced, frozen,
@@ -313,7 +313,7 @@ class ModelIndex:
     @functools.cached_property
     def update_scales(self) -> dict[int, float]:
         """Tensor id -> the factor from the norm of a sampled update to the whole tensor's
-        (probes.tensor_stats.update_scale)."""
+        (probes.capture.tensor_stats.update_scale)."""
         return {tid: tensor_stats.update_scale(node.numel) for tid, node in self.tensors.items()}
 
     @functools.cached_property

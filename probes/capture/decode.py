@@ -1,4 +1,4 @@
-"""Decoding a sampled step: pure functions from the fetched host values of a :class:`~probes.capture.StepRecord`
+"""Decoding a sampled step: pure functions from the fetched host values of a :class:`~probes.capture.step.StepRecord`
 to columns of per-module and per-tensor statistics (what the detectors read) and to store rows. No hooks, no
 I/O.
 
@@ -17,12 +17,12 @@ from typing import NamedTuple, cast
 
 import torch
 
-from .capture import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
+from ..schema import ZERO_BIN, decode_hist, encode_hist
+from ..store.records import ColumnRows
 from .measure import CALL_FIELDS, Fetched
-from .records import ColumnRows
-from .schema import ZERO_BIN, decode_hist, encode_hist
+from .step import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
 
-Values = Fetched       # a sampled step's host values (probes.measure.PendingFetch.read)
+Values = Fetched       # a sampled step's host values (probes.capture.measure.PendingFetch.read)
 
 
 MODULE_STATS = CALL_FIELDS      # the columns of ModuleColumns.stats: each call's, aggregated per module

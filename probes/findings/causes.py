@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from .findings import Finding
-from .schema import FindingCode
+from ..schema import FindingCode
+from .finding import Finding
 
 _TENSOR_CONSEQUENCES = frozenset({FindingCode.NOT_UPDATING, FindingCode.GRAD_ACCUMULATING})
 _MODULE_CONSEQUENCES = _TENSOR_CONSEQUENCES | {FindingCode.TRAINING_MODE_MISMATCH}

@@ -15,19 +15,21 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import decode, findings, records
-from .capture import StepRecord
+from ..capture import decode
+from ..capture.decode import ModuleColumns, TensorColumns, Values
+from ..capture.sentinels import ForwardLog
+from ..capture.step import StepRecord
+from ..model.frozen import BlockState
+from ..model.index import ModelIndex
+from ..model.structure import ModuleNode
+from ..schema import FindingCode, Severity
+from ..store import records
+from ..store.records import Op
+from . import finding as findings
 from .causes import assign_causes
-from .decode import ModuleColumns, TensorColumns, Values
 from .detectors import BypassCandidate, DynamicDetectors, GradlessCandidate
 from .events import EventBook, SampledEvents
-from .findings import Finding
-from .frozen import BlockState
-from .model_index import ModelIndex
-from .records import Op
-from .schema import FindingCode, Severity
-from .sentinels import ForwardLog
-from .structure import ModuleNode
+from .finding import Finding
 from .tracker import FindingTracker
 
 

@@ -1,8 +1,8 @@
 """The training process of ``modscope run``: runs a script (or a module) as ``__main__`` with the
 zero-code watcher installed.
 
-    python -m probes.autorun --run-dir DIR [--every N | --overhead F] -- script.py [ARGS...]
-    python -m probes.autorun --run-dir DIR [--every N | --overhead F] -- -m package.module [ARGS...]
+    python -m probes.launch.autorun --run-dir DIR [--every N | --overhead F] -- script.py [ARGS...]
+    python -m probes.launch.autorun --run-dir DIR [--every N | --overhead F] -- -m package.module [ARGS...]
 
 The script sees what ``python script.py ARGS`` gives it: ``sys.argv`` (the path as given, then
 ARGS), ``sys.path[0]`` (the script's real directory), ``__file__`` (absolute), ``__name__ ==
@@ -12,7 +12,7 @@ The exit status is the script's: 0 when it returns, its ``sys.exit`` code, 1 aft
 exception (its traceback printed without this module's frames); an uncaught ``KeyboardInterrupt``
 ends the process by SIGINT, as Python does. The watchers are closed before it exits.
 
-Only this process installs the watcher (:mod:`probes.autowatch`), and only because this module
+Only this process installs the watcher (:mod:`probes.launch.autowatch`), and only because this module
 is run: children (DataLoader workers, ``multiprocessing`` and ``subprocess``) run nothing of it.
 ``modscope run`` (dashboard/cli.py) starts this module, and the dashboard only as a process of
 its own: Dash never enters the training process.
@@ -32,9 +32,9 @@ import types
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .schema import every_option, overhead_option
+from ..schema import every_option, overhead_option
 
-USAGE = ("python -m probes.autorun --run-dir DIR [--every N | --overhead F] -- "
+USAGE = ("python -m probes.launch.autorun --run-dir DIR [--every N | --overhead F] -- "
          "(script.py | -m package.module) [ARGS...]")
 
 
@@ -49,7 +49,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
         _fail(f"expected '--' before the script; usage: {USAGE}")
     cut = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m probes.autorun", usage=USAGE)
+    p = argparse.ArgumentParser(prog="python -m probes.launch.autorun", usage=USAGE)
     p.add_argument("--run-dir", required=True, metavar="DIR")
     p.add_argument("--every", type=every_option, default=None, metavar="N")
     p.add_argument("--overhead", type=overhead_option, default=0.01, metavar="F")

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from .schema import LOCK_SUFFIX, RUN_ID_RE, status_path, store_filename
+from ..schema import LOCK_SUFFIX, RUN_ID_RE, status_path, store_filename
 
 RUN_ID_ENV = "MODSCOPE_RUN_ID"            # an explicit run id, the same on every rank (and node) of a job
 JOURNAL_ENV = "MODSCOPE_JOURNAL"          # 'wal' or 'delete': override the journal mode chosen below

@@ -3,7 +3,7 @@
 A hook that launches a handful of reductions costs far more than they compute when the output is small
 (a 16-wide Linear in a deep stack): each launch has a fixed cost. For outputs of at most SMALL_OUTPUT
 values the hook only keeps the output; at the end of the step all of them are concatenated and reduced
-in one batch of segment reductions, which produces exactly the raw chunk :func:`probes.measure.call_chunk`
+in one batch of segment reductions, which produces exactly the raw chunk :func:`probes.capture.measure.call_chunk`
 would have made for each call (sum, sum of squares, NaN/Inf count, saturated fraction, per-unit max and
 min, a strided histogram sample), so everything downstream reads both alike.
 
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 SMALL_OUTPUT = 4096           # outputs of at most this many values are copied and reduced at the end of the step
-HIST_SAMPLE = 1024            # as probes.measure
+HIST_SAMPLE = 1024            # as probes.capture.measure
 MAX_UNITS = 1 << 16
 
 
@@ -96,7 +96,7 @@ def keep(x: torch.Tensor, layout: SmallLayout, *, copy: bool, watch: bool, versi
 
 @dataclasses.dataclass(frozen=True)
 class ChunkLayoutSpec:
-    """What probes.measure.CallLayout needs, per call (one object for all the calls of a group)."""
+    """What probes.capture.measure.CallLayout needs, per call (one object for all the calls of a group)."""
 
     numel: int
     units: int
@@ -124,8 +124,8 @@ class ReducedCalls(NamedTuple):
 
 def reduce_calls(groups: Sequence[Sequence[torch.Tensor]], layouts: Sequence[SmallLayout],
                  scalar_reads_free: bool) -> ReducedCalls:
-    """Every call's raw chunk, as :func:`probes.measure.call_chunk` makes it for one output. ``groups``: the kept
-    values of the calls of one layout each (``layouts``: one shape, dtype, device and unit layout), stacked and
+    """Every call's raw chunk, as :func:`probes.capture.measure.call_chunk` makes it for one output. ``groups``: the
+    kept values of the calls of one layout each (``layouts``: one shape, dtype, device and unit layout), stacked and
     reduced together with dense reductions (per-unit extremes over the non-unit dimensions, like call_chunk):
     a handful of kernels per layout whatever the number of calls. Chunks come out group by group (the
     returned groups say where each is). The NaN/Inf count is known on the host (0) where reading a scalar is

@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 from .records import Op
-from .schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
 ROWS_PER_STATEMENT = 32   # rows of one INSERT statement, for the thousands of rows of a sample (see _execute)

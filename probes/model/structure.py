@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import measure
-from .schema import ModuleKind, TensorKind, attr_path, item_path, key_path, member_path
+from ..capture import measure
+from ..schema import ModuleKind, TensorKind, attr_path, item_path, key_path, member_path
 
 # Attributes every nn.Module carries for its own bookkeeping: never user data.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {

@@ -28,14 +28,14 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from . import findings
-from .decode import NonFiniteModule
+from ..capture.decode import NonFiniteModule
+from ..capture.sentinels import ForwardLog
+from ..model.frozen import BlockState, frozen_norm_parameters, in_frozen_block, is_norm
+from ..model.structure import drops_at_random, has_no_forward
+from ..schema import ModuleKind, display_path
+from . import finding as findings
 from .detectors import BypassCandidate, GradlessCandidate, ModelView
-from .findings import Finding, NonFiniteOrigin
-from .frozen import BlockState, frozen_norm_parameters, in_frozen_block, is_norm
-from .schema import ModuleKind, display_path
-from .sentinels import ForwardLog
-from .structure import drops_at_random, has_no_forward
+from .finding import Finding, NonFiniteOrigin
 
 
 @dataclasses.dataclass

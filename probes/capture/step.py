@@ -5,7 +5,7 @@ children; its first forward attaches two global module hooks (forward pre/post, 
 and one gradient hook per watched trainable tensor; :meth:`StepCapture.detach` removes them all. Every
 hook body runs inside the probe guard: an exception is counted, stored and never reaches the training
 loop. The hooks only launch device work and note where its results will be (slots of one
-:class:`~probes.measure.StepMeasurements`); :mod:`probes.decode` turns the fetched values into samples.
+:class:`~probes.capture.measure.StepMeasurements`); :mod:`probes.capture.decode` turns the fetched values into samples.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import batch, frozen, measure, tensor_stats
+from ..model import frozen
+from ..model.index import ModelIndex
+from ..model.runtime import ForwardSightings, RuntimeModules
+from ..model.structure import CompiledModules, ModuleNode, unit_dim
+from ..schema import TensorKind
+from . import batch, measure, tensor_stats
 from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
 from .hooks import HeldHook
-from .model_index import ModelIndex
-from .runtime_modules import ForwardSightings, RuntimeModules
-from .schema import TensorKind
-from .structure import CompiledModules, ModuleNode, unit_dim
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "PerTensor", "StepCapture", "StepRecord", "TensorSlot", "UpdateBaseline",
            "hide_global_hook_warning", "restore_warning_filters"]
@@ -83,7 +84,7 @@ class CallRecord(NamedTuple):
 
 class IndexTensors(NamedTuple):
     """One of the index's lists of tensor ids, with what its sampled steps read of it every time: the tensors
-    (local values), their optimizer param groups, and the plan of their norms (probes.tensor_stats)."""
+    (local values), their optimizer param groups, and the plan of their norms (probes.capture.tensor_stats)."""
 
     ids: list[int]                  # the index's own list: kept, so its id() (the cache key) stays its own
     tensors: list[torch.Tensor]
@@ -264,7 +265,7 @@ class StepCapture:
         # self.encoder), where the root's forward never runs; elsewhere a root nobody calls may be a container
         # (an nn.ModuleDict of a student and its teacher) whose flag nobody sets
         self.root_sets_mode = False
-        self.compiled = CompiledModules()        # set with each index (probes.structure.compiled_modules)
+        self.compiled = CompiledModules()        # set with each index (probes.model.structure.compiled_modules)
         # the model runs inside compiled code of the user's (a compiled train step calling it): a sampled step then
         # runs all compiled code eagerly, or our hooks would only ever be traced (learnt from a sampled step whose
         # optimizer stepped while no hook of ours ran eagerly)
@@ -282,7 +283,7 @@ class StepCapture:
         self._grad_plan: tuple[list[tuple[int, ...]], tensor_stats.NormPlan] | None = None
         self._index_tensors: dict[int, IndexTensors] = {}   # id(list of the index) -> its tensors (this index)
         # small outputs are referenced, not copied, unless their module's output is changed in place
-        # later in the step (learnt on the first sampled step, which copies all: probes.batch)
+        # later in the step (learnt on the first sampled step, which copies all: probes.capture.batch)
         self._learning = True
         self._copy_outputs: set[int] = set()
 
@@ -494,7 +495,7 @@ class StepCapture:
         self._guarded("forward-pre-hook", self._pre_forward, rec, index, module)
 
     def _guarded(self, location: str, body: Callable[..., None], *args: Any) -> None:
-        """probes.guard's Guard as a plain call: the forward hooks run on every module call of a sampled step,
+        """probes.capture.guard's Guard as a plain call: the forward hooks run on every module call of a sampled step,
         where making, entering and leaving a guard object costs about a tenth of the hook."""
         rt = self.probe
         t0 = time.perf_counter()

@@ -10,10 +10,10 @@ import weakref
 
 from torch import nn
 
-from . import findings
-from .findings import Finding
-from .model_index import IdRegistry, ModelIndex
-from .schema import ModuleKind, attr_path, runtime_label
+from ..findings import finding as findings
+from ..findings.finding import Finding
+from ..schema import ModuleKind, attr_path, runtime_label
+from .index import IdRegistry, ModelIndex
 from .structure import ModuleNode, subtree_has_state_or_modes
 
 

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..schema import HIST_BINS, HIST_EDGES, ZERO_BIN, decode_hist, encode_hist
 from . import batch, tensor_stats
-from .schema import HIST_BINS, HIST_EDGES, ZERO_BIN, decode_hist, encode_hist
 
 # layout of a call row: CALL_FIELDS, then HIST_BINS histogram counts
 CALL_FIELDS = ("mean", "std", "absmax", "zero_frac", "dead_frac", "sat_frac", "nonfinite")
@@ -229,7 +229,7 @@ class StepMeasurements:
 
     def add_small_call(self, x: torch.Tensor, udim: int, sat_kind: str | None, key: Any = None, *,
                        copy: bool = True, watch: bool = False) -> int:
-        """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.batch.keep`),
+        """A small output (batch.SMALL_OUTPUT values at most): kept now (see :func:`probes.capture.batch.keep`),
         reduced with the others at the end of the step; its fetched value is a CALL_WIDTH row like
         :meth:`add_call`'s, or none when it was changed in place without a copy (not in :attr:`Fetched.where`)."""
         if self._layouts is None:
@@ -238,12 +238,12 @@ class StepMeasurements:
         return self.add_kept(batch.keep(x, layout, copy=copy, watch=watch, version=x._version), key)
 
     def add_kept(self, call: batch.SmallCall, key: Any = None) -> int:
-        """:meth:`add_small_call` for a hook that keeps the output itself (:func:`probes.batch.keep`)."""
+        """:meth:`add_small_call` for a hook that keeps the output itself (:func:`probes.capture.batch.keep`)."""
         return self.add_small(call.values, call.layout, call.source, call.version, key)
 
     def add_small(self, values: torch.Tensor, layout: batch.SmallLayout, source: torch.Tensor | None, version: int,
                   key: Any = None) -> int:
-        """:meth:`add_kept` with the fields of a :class:`probes.batch.SmallCall` (no object made per call)."""
+        """:meth:`add_kept` with the fields of a :class:`probes.capture.batch.SmallCall` (no object made per call)."""
         slot = self._slots
         self._slots = slot + 1
         columns = self._small.get(layout)
@@ -347,7 +347,7 @@ def _picked(field: list[Any], positions: list[int]) -> list[Any]:
 
 class _SmallColumns(NamedTuple):
     """The small outputs of one layout in call order, one list per field: reduced together by
-    :func:`probes.batch.reduce_calls`."""
+    :func:`probes.capture.batch.reduce_calls`."""
 
     layout: batch.SmallLayout
     slots: list[int]

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from . import findings
-from .findings import Finding
-from .schema import ModuleKind, TensorKind
-from .structure import (
-    ModelStructure,
-    ModuleNode,
-    is_mode_sensitive,
-    subtree_has_state_or_modes,
-)
+from ..model.structure import ModelStructure, ModuleNode, is_mode_sensitive, subtree_has_state_or_modes
+from ..schema import ModuleKind, TensorKind
+from . import finding as findings
+from .finding import Finding
 
 # an averaged copy of a model (EMA, SWA): its parameters follow the trained ones through update_parameters(),
 # never through an optimizer, and torch's AveragedModel copies them with requires_grad=True. By class name, so

@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .schema import CODES as CODE_INFO
-from .schema import SEVERITY_ORDER, FindingCode, Severity, display_path
+from ..schema import CODES as CODE_INFO
+from ..schema import SEVERITY_ORDER, FindingCode, Severity, display_path
 
 __all__ = ["CODES", "SEVERITIES", "Finding", "sort_findings"]
 

@@ -1,6 +1,6 @@
 """Zero-code watching: find what a script trains and watch it, without an edit to the script.
 
-:func:`install` is called by :mod:`probes.autorun` (``modscope run``) in the process it starts,
+:func:`install` is called by :mod:`probes.launch.autorun` (``modscope run``) in the process it starts,
 and only there: nothing installs it through ``sitecustomize`` or ``PYTHONPATH``, so a child
 process (DataLoader workers, spawned or forked, ``multiprocessing``, ``subprocess``) is never
 instrumented.
@@ -53,10 +53,10 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .api import process_rank, watch, watcher_of
-from .capture import hide_global_hook_warning, restore_warning_filters
-from .structure import unwrap
-from .watcher import Watcher
+from ..api import process_rank, watch, watcher_of
+from ..capture.step import hide_global_hook_warning, restore_warning_filters
+from ..model.structure import unwrap
+from ..watcher import Watcher
 
 __all__ = ["AutoWatch", "install"]
 
@@ -278,7 +278,7 @@ class AutoWatch:
         """Under a Lightning or Hugging Face Trainer that steps ``opt``: its callback watches (it prints the
         ``watching`` line when it starts, at the next batch)."""
         try:
-            from .integrations import zero_code
+            from ..integrations import zero_code
             attached = zero_code.attach(opt, self.run_dir, every=self.every, overhead=self.overhead)
         except Exception as exc:             # then a plain watch, as without a framework
             self._note(f"modscope: framework callback not attached: {type(exc).__name__}: {exc}")

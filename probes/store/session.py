@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
+from ..capture.guard import ErrorLog
+from ..schema import RunStatus, snapshot
 from . import records
-from ._version import __version__
-from .guard import ErrorLog
 from .records import Op
 from .rundir import RunFiles, WriterLock, journal_mode
-from .schema import RunStatus, snapshot
-from .store import StoreWriter
+from .writer import StoreWriter
 
 HEARTBEAT_S = 5.0             # the store's heartbeat (ranks.updated_at) moves at least this often while training
 # Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from . import measure, records
-from .records import Op
+from ..store import records
+from ..store.records import Op
+from . import measure
 
 MAX_PENDING = 64
 

@@ -8,12 +8,12 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
-from .schema import EVENT_CODES, HIST_EDGES, SCHEMA_VERSION, TABLES
+from ..schema import EVENT_CODES, HIST_EDGES, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:
-    from .findings import Finding
-    from .guard import ErrorEntry
-    from .structure import ModuleNode, TensorNode
+    from ..capture.guard import ErrorEntry
+    from ..findings.finding import Finding
+    from ..model.structure import ModuleNode, TensorNode
 
 Row = tuple[Any, ...]
 Op = tuple[str, Sequence[Row]]      # one executemany: (sql, rows): a list of tuples, or ColumnRows
