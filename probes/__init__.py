@@ -30,7 +30,7 @@ TORCH_HINT = ("modscope's probes need PyTorch (>= 2.4), which is not installed: 
 
 # public name -> the submodule that defines it
 _LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings.finding",
-         "CODES": ".findings.finding", "SCHEMA_VERSION": ".schema", "show": ".launch.notebook"}
+         "CODES": ".findings.finding", "SCHEMA_VERSION": ".schema", "show": ".notebook"}
 _TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION"}
 
 
@@ -79,5 +79,5 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import audit, watch
     from .findings.finding import CODES, Finding
-    from .launch.notebook import show
+    from .notebook import show
     from .watcher import Watcher

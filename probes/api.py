@@ -14,8 +14,8 @@ from torch import nn
 
 from .findings.finding import Finding, sort_findings
 from .findings.structural import structural_findings
-from .launch.notebook import ipython_shell
 from .model.structure import build_structure, normalize_optimizers, unwrap
+from .notebook import ipython_shell
 from .store.rundir import agree_run_id
 from .watcher import Boundaries, Watcher
 

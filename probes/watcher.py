@@ -118,7 +118,7 @@ class Watcher:
         atexit.register(self._atexit)
         # in a notebook, a cell interrupted or failing inside a sampled step leaves that step open until the
         # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
-        from .launch.notebook import on_cell_end
+        from .notebook import on_cell_end
         self._cell_end = on_cell_end(_gc_resumer(self))
         if self._policy.should_sample(0):
             self._capture.arm(self._index)
@@ -249,7 +249,7 @@ class Watcher:
         """Show this run's live dashboard inline in a Jupyter notebook and print its URL (see
         :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1). Calling it again
         shows the same server again. Returns the URL, or None when the dashboard could not start."""
-        from .launch.notebook import show
+        from .notebook import show
         return show(self.store_path, height=height)
 
     @property
@@ -400,11 +400,11 @@ class Watcher:
         decoded, ops = self._evaluator.decode(step, rec, values, rec.index or self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
-        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.findings(),
+        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.sightings(),
                                                      bool(self._optimizers)), droppable=False)
 
     def _publish(self, step: int, sampled: bool) -> None:
-        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.findings(), sampled),
+        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.sightings(), sampled),
                             droppable=False)
 
     def _observe_forwards(self, step: int) -> None:
@@ -418,7 +418,7 @@ class Watcher:
         """Evaluate the step in progress (findings(), snapshot()) without ending it."""
         with self._probe.guard("preview"):
             ops = self._evaluator.preview(self._probe.step, dataclasses.replace(self._sentinel.log),
-                                          self._mode_sensitive(), self._index, self._runtime.findings())
+                                          self._mode_sensitive(), self._index, self._runtime.sightings())
             if ops:
                 self._writer.submit(ops, droppable=False)
 

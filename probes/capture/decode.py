@@ -251,7 +251,7 @@ def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[list[float], b
 
 def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Mapping[int, float]) -> TensorColumns:
     """One entry per tensor measured in the step. The update norm measured on the sampled values is scaled to
-    the whole tensor (``update_scales``: ModelIndex.update_scales); when the sample saw no change but the data
+    the whole tensor (``update_scales``: Evaluator.update_scales); when the sample saw no change but the data
     norm did, the change of the norm is a lower bound of the update."""
     plain = values.plain
 

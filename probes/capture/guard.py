@@ -6,48 +6,15 @@ the training loop: the exception is counted, kept (and later stored) instead.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import time
 from types import TracebackType
 
+from ..store.errors import ErrorLog
+
 # re-raise probe errors instead of swallowing them (development only)
 RAISE_PROBE_ERRORS = os.environ.get("MODSCOPE_DEBUG") == "1"
-MESSAGE_LIMIT = 500
-
-
-@dataclasses.dataclass
-class ErrorEntry:
-    message: str
-    count: int
-    first_step: int
-    last_step: int
-
-
-class ErrorLog:
-    """Errors caught inside modscope, by (location, exception type)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[str, str], ErrorEntry] = {}
-        self.total = 0
-        self.dirty = False          # changed since the store last got a copy
-
-    def record(self, location: str, exc: BaseException, step: int) -> None:
-        self.record_message(location, type(exc).__name__, str(exc), step)
-
-    def record_message(self, location: str, error_type: str, message: str, step: int, count: int = 1) -> None:
-        key = (location, error_type)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = ErrorEntry("", 0, step, step)
-        entry.count += count
-        entry.last_step = step
-        entry.message = " ".join(message.split())[:MESSAGE_LIMIT]
-        self.total += count
-        self.dirty = True
-
-
 class GcPause:
     """Python's cyclic garbage collector, paused from the first forward of a sampled step to the end of
     its finishing work. The probes allocate many small objects on a sampled step; every collection they

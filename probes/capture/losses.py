@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from ..model import tensors
 from ..store import records
 from ..store.records import Op
-from . import measure
 
 MAX_PENDING = 64
 
@@ -27,7 +27,7 @@ class LossRecorder:
     def record(self, step: int, loss: Any) -> None:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
-            if not measure.reads_free(loss.device):
+            if not tensors.reads_free(loss.device):
                 self.pending.append((step, loss))
                 if len(self.pending) >= MAX_PENDING:
                     self.flush()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..model import frozen
+from ..model import frozen, tensors
 from ..model.index import ModelIndex
 from ..model.runtime import ForwardSightings, RuntimeModules
 from ..model.structure import CompiledModules, ModuleNode, unit_dim
@@ -691,7 +691,7 @@ class StepCapture:
     def _on_grad(self, rec: StepRecord, index: ModelIndex, tensor_id: int, grad: torch.Tensor) -> None:
         rec.arrived.add(tensor_id)
         if self.replicas:         # this rank's own gradient: the hook runs before any all-reduce
-            rec.local_grads[tensor_id] = rec.measurements.add(tensor_stats.norm32(measure.local(grad).detach()))
+            rec.local_grads[tensor_id] = rec.measurements.add(tensor_stats.norm32(tensors.local(grad).detach()))
         node = index.tensors.get(tensor_id)
         existing = index.grad(tensor_id) if node is not None else None
         if existing is not None:
@@ -900,7 +900,7 @@ class StepCapture:
         if vec is None:
             return
         rec.updates.add(rec.measurements.add(vec), tids)
-        if measure.reads_free(vec.device):
+        if tensors.reads_free(vec.device):
             # reading it costs no sync: the full-tensor check only where the sample saw no change
             check = torch.nonzero(vec == 0).flatten().tolist()
         else:
@@ -914,9 +914,9 @@ class StepCapture:
 def _group_lr(rec: StepRecord, lr: object) -> float | TensorSlot | None:
     """A param group's learning rate as a number, or, when it is a tensor on a device whose reads cost a sync, a
     copy of it added to the step's measurements (a scheduler may change it in place before the copy starts)."""
-    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not measure.reads_free(lr.device):
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not tensors.reads_free(lr.device):
         return TensorSlot(rec.measurements.add(lr.detach().reshape(1).float().clone()), 0)
-    return measure.host_number(lr)
+    return tensors.host_number(lr)
 
 
 def _by_device(index: ModelIndex, tensor_ids: list[int]) -> list[list[int]]:

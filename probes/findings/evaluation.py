@@ -11,16 +11,18 @@ import collections
 import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..capture import decode
+from ..capture import decode, tensor_stats
 from ..capture.decode import ModuleColumns, TensorColumns, Values
 from ..capture.sentinels import ForwardLog
 from ..capture.step import StepRecord
 from ..model.frozen import BlockState
 from ..model.index import ModelIndex
+from ..model.runtime import RuntimeSighting
 from ..model.structure import ModuleNode
 from ..schema import FindingCode, Severity
 from ..store import records
@@ -49,6 +51,11 @@ class DecodedStep:
 UNREACHED_SAMPLES = 2
 
 
+def runtime_finding(seen: RuntimeSighting) -> Finding:
+    return findings.runtime_module(seen.path, seen.type_name, seen.called_from, seen_before=seen.seen_before,
+                                   same_object=seen.same_object, numel=seen.numel, step=seen.step)
+
+
 class Evaluator:
     def __init__(self, rank: int, window: int) -> None:
         self.rank = rank
@@ -63,15 +70,25 @@ class Evaluator:
         # and per tensor, the sampled training steps it had gradient hooks in (since it entered the index)
         self._reached: set[int] = set()
         self._orphan_samples: collections.Counter[int] = collections.Counter()
+        # per index, weakly: a closed watcher's evaluator must not keep the user's model alive
+        self._update_scales: tuple[weakref.ref[ModelIndex] | None, dict[int, float]] = (None, {})
 
     def active(self) -> list[Finding]:
         return self.tracker.active()
+
+    def update_scales(self, index: ModelIndex) -> dict[int, float]:
+        """Tensor id -> the factor from the norm of a sampled update to the whole tensor's, made once per index."""
+        ref = self._update_scales[0]
+        if ref is None or ref() is not index:
+            self._update_scales = (weakref.ref(index), {tid: tensor_stats.update_scale(node.numel)
+                                           for tid, node in index.tensors.items()})
+        return self._update_scales[1]
 
     # ------------------------------------------------------------------------------ sampled steps
     def decode(self, step: int, rec: StepRecord, values: Values, index: ModelIndex) -> tuple[DecodedStep, list[Op]]:
         """The step's statistics, fed to the detectors' windows; and their store rows."""
         modules = decode.module_columns(step, rec, values)
-        tensors = decode.tensor_columns(step, rec, values, index.update_scales)
+        tensors = decode.tensor_columns(step, rec, values, self.update_scales(index))
         self.detectors.observe(modules, tensors)
         ops = [records.module_stats_op(decode.module_stat_rows(self.rank, step, modules)),
                records.param_stats_op(decode.param_stat_rows(self.rank, step, tensors))]
@@ -82,7 +99,7 @@ class Evaluator:
         norms = rec.frozen_blocks.read(values[rec.frozen_blocks.slot]) if rec.frozen_blocks is not None else {}
         return DecodedStep(step, rec, modules, tensors, norms), ops
 
-    def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[Finding],
+    def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[RuntimeSighting],
                  optimizers_watched: bool) -> list[Op]:
         """The findings after a sampled step."""
         step, rec = decoded.step, decoded.record
@@ -129,12 +146,13 @@ class Evaluator:
     def changed(self) -> bool:
         return self.events.changed
 
-    def publish(self, step: int, index: ModelIndex, runtime: Sequence[Finding], sampled: bool,
+    def publish(self, step: int, index: ModelIndex, runtime: Sequence[RuntimeSighting], sampled: bool,
                 events: EventBook | None = None) -> list[Op]:
         """Findings now: structure, run-time modules, the detectors' last view and the events, each consequence
         naming its cause; the store operations that record the difference."""
         book = events or self.events
-        current = assign_causes([*self._static_now(index), *runtime, *self.dynamic, *book.findings(index)])
+        current = assign_causes([*self._static_now(index), *map(runtime_finding, runtime), *self.dynamic,
+                                 *book.findings(index)])
         book.changed = False
         return self.tracker.update(step, current, index, sampled)
 
@@ -158,7 +176,7 @@ class Evaluator:
         return out
 
     def preview(self, step: int, log: ForwardLog, mode_sensitive: Sequence[str], index: ModelIndex,
-                runtime: Sequence[Finding]) -> list[Op]:
+                runtime: Sequence[RuntimeSighting]) -> list[Op]:
         """The step in progress evaluated without ending it (findings(), snapshot()): nothing is counted
         twice when it ends."""
         book = self.events.copy()

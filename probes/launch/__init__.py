@@ -1,1 +1,1 @@
-"""Ways in without editing the training loop: `modscope run` (autorun, autowatch) and the notebook."""
+"""Zero code: `modscope run` runs a training script unchanged (autorun) and finds what it trains (autowatch)."""

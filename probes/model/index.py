@@ -19,7 +19,6 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from ..capture import tensor_stats
 from ..schema import FindingCode, ModuleKind, TensorKind
 from .frozen import is_norm
 from .structure import (
@@ -309,12 +308,6 @@ class ModelIndex:
     def optimizer_tables(self, opt_index: int) -> list[int]:
         """The embedding tables among an optimizer's tensors: their gradient reaches only some rows."""
         return self._tables_by_optimizer.get(opt_index, [])
-
-    @functools.cached_property
-    def update_scales(self) -> dict[int, float]:
-        """Tensor id -> the factor from the norm of a sampled update to the whole tensor's
-        (probes.capture.tensor_stats.update_scale)."""
-        return {tid: tensor_stats.update_scale(node.numel) for tid, node in self.tensors.items()}
 
     @functools.cached_property
     def _leaves(self) -> tuple[TensorNode, ...]:

@@ -1,6 +1,6 @@
 """Modules that run inside the model's forward but are reachable from none of its attributes: held in a
 closure or a global, or built inside ``forward``. Found while forward runs, named ``<unreachable Type>``
-under the module that called them, and kept (with their finding) for the rest of the run."""
+under the module that called them, and kept (with what was seen of them) for the rest of the run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import weakref
 
 from torch import nn
 
-from ..findings import finding as findings
-from ..findings.finding import Finding
 from ..schema import ModuleKind, attr_path, runtime_label
 from .index import IdRegistry, ModelIndex
 from .structure import ModuleNode, subtree_has_state_or_modes
@@ -27,6 +25,20 @@ class RuntimeKey:
     occurrence: int
 
 
+@dataclasses.dataclass(frozen=True)
+class RuntimeSighting:
+    """A run-time module with parameters, buffers or modes, as the last forward that called it showed it: the
+    findings rules tell from it whether it is held in a closure or a global, or built anew on every call."""
+
+    path: str
+    type_name: str
+    called_from: str          # the path of the module whose forward called it
+    seen_before: bool         # a module was called at this place in an earlier step
+    same_object: bool         # ... and it was this very object
+    numel: int
+    step: int
+
+
 @dataclasses.dataclass
 class ForwardSightings:
     """What one step's forwards have seen so far (reset at every step)."""
@@ -40,13 +52,14 @@ class RuntimeModules:
         self._ids = ids
         self._nodes: dict[RuntimeKey, ModuleNode] = {}
         self._objects: dict[RuntimeKey, weakref.ref[nn.Module]] = {}
-        self._findings: dict[str, Finding] = {}
+        self._sightings: dict[str, RuntimeSighting] = {}
 
     def nodes(self) -> list[ModuleNode]:
         return list(self._nodes.values())
 
-    def findings(self) -> list[Finding]:
-        return list(self._findings.values())
+    def sightings(self) -> list[RuntimeSighting]:
+        """The run-time modules that matter to the optimizer, state_dict(), .to() or .eval()."""
+        return list(self._sightings.values())
 
     def clear(self) -> None:
         """Drop the references to the user's modules (the watcher is closing)."""
@@ -85,7 +98,7 @@ class RuntimeModules:
         with contextlib.suppress(TypeError):
             self._objects[key] = weakref.ref(module)
         if subtree_has_state_or_modes(module):
-            self._findings[node.path] = findings.runtime_module(
+            self._sightings[node.path] = RuntimeSighting(
                 node.path, node.type, ppath, seen_before=previous is not None, same_object=same_object,
                 numel=node.params_total, step=step)
         # a module with no parameters, buffers or modes built at run time (HF models build their loss

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture import measure
 from ..schema import ModuleKind, TensorKind, attr_path, item_path, key_path, member_path
+from . import tensors
 
 # Attributes every nn.Module carries for its own bookkeeping: never user data.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {
@@ -430,7 +430,7 @@ class _Builder:
         for oi, opt in enumerate(self.optimizers):
             for gi, group in enumerate(opt.param_groups):
                 # not read when held on an accelerator (a sync); every sampled step's param_stats.lr has it
-                lr = measure.host_number(group.get("lr"))
+                lr = tensors.host_number(group.get("lr"))
                 for pi, p in enumerate(group.get("params", ())):
                     node = self.tensor_by_id.get(id(p))
                     if node is None:

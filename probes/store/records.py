@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 from ..schema import EVENT_CODES, HIST_EDGES, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:
-    from ..capture.guard import ErrorEntry
     from ..findings.finding import Finding
     from ..model.structure import ModuleNode, TensorNode
+    from .errors import ErrorEntry
 
 Row = tuple[Any, ...]
 Op = tuple[str, Sequence[Row]]      # one executemany: (sql, rows): a list of tuples, or ColumnRows

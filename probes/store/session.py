@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..capture.guard import ErrorLog
 from ..schema import RunStatus, snapshot
 from . import records
+from .errors import ErrorLog
 from .records import Op
 from .rundir import RunFiles, WriterLock, journal_mode
 from .writer import StoreWriter

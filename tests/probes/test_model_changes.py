@@ -14,6 +14,7 @@ from helpers import codes, stored
 
 import probes
 from probes.capture import measure
+from probes.model import tensors
 
 
 class Heads(nn.Module):
@@ -45,7 +46,7 @@ def steps(model, opt, w, n, seed=0):
 @pytest.fixture(params=["cpu", "accelerator"])
 def read_path(request, monkeypatch):
     if request.param == "accelerator":
-        monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
+        monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
         monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     return request.param
 
