@@ -46,8 +46,8 @@ import torch
 
 from ..capture.decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
 from ..model.structure import drops_at_random
-from . import finding as findings
 from .finding import Finding
+from .rules import DeadLayer, DeadUnits, GradAccumulating, NotUpdating, Saturated, TinyLearningRate
 
 DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
@@ -283,11 +283,11 @@ class DynamicDetectors:
             if dead_judged is None or mid in wrappers:
                 pass
             elif constant[mid]:
-                out.append(findings.dead_constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step, dead_input))
+                out.append(DeadLayer.constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step, dead_input))
             elif dead_layer[mid]:
-                out.append(findings.dead_layer(path, typ, float(dead[mid]), n, ev, step, dead_input))
+                out.append(DeadLayer.build(path, typ, float(dead[mid]), n, ev, step, dead_input))
             elif dead_units[mid]:
-                out.append(findings.dead_units(path, typ, float(dead[mid]), n, ev, step, dead_input))
+                out.append(DeadUnits.build(path, typ, float(dead[mid]), n, ev, step, dead_input))
             # the activation itself: the wrappers returning its very output share its statistics
             kind = view.saturation.get(mid) if saturated[mid] else None
             if kind:
@@ -296,7 +296,7 @@ class DynamicDetectors:
                     if trained is None:
                         trained = frozenset(m for t in view.trained_tensors for m in view.owners.get(t, ()))
                     output_layer = self._is_output_layer(mid, view, trained)
-                out.append(findings.saturated(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step,
+                out.append(Saturated.build(path, typ, float(sat_mean[mid]), MIN_SAMPLES, step,
                                               output_layer=output_layer))
         return out
 
@@ -452,7 +452,7 @@ class DynamicDetectors:
             node = view.tensors.get(tid)
             tiny = None if zero_lr or node is None else _tiny_lr(lrs, float(w.last("data")[tid]),
                                                                  float(w.last("grad")[tid]), node)
-            out.append(findings.not_updating(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
+            out.append(NotUpdating.build(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
                                              view.tensor_in_optimizer(tid), step,
                                              view.tensor_group(tid) if zero_lr or tiny else None,
                                              node.dtype if node is not None else None, tiny_lr=tiny))
@@ -494,14 +494,14 @@ class DynamicDetectors:
             if opt is not None and opt in never_zeroed:
                 continue                         # the root finding says it
             judged_n = totals.get(opt) if opt is not None else None
-            out.append(findings.grad_accumulating(
+            out.append(GradAccumulating.build(
                 view.tensor_path(tid), [_opt(w.last("stale", k)[tid]) for k in ks],
                 [_opt(w.last("grad", k)[tid]) for k in ks], step, opt,
                 zeroed=judged_n - len(held[opt]) if judged_n is not None and opt is not None else None,
                 judged=judged_n))
         if never_zeroed:
             opts = sorted(never_zeroed)
-            out.append(findings.gradients_never_zeroed(
+            out.append(GradAccumulating.never_zeroed(
                 opts, max(view.n_optimizers, len(opts)), [view.tensor_path(t) for o in opts for t in held[o]],
                 sum(never_zeroed.values()), step))
         return out
@@ -514,7 +514,7 @@ _EPS32 = 2.0 ** -23
 
 
 def _tiny_lr(lrs: Sequence[float], data_norm: float, grad_norm: float, node: _TensorNode
-             ) -> findings.TinyLearningRate | None:
+             ) -> TinyLearningRate | None:
     """The learning rate as why a tensor did not change, when in every one of the steps (``lrs``) an optimizer step
     of lr x max(1, the gradient's rms) per value (Adam's is about lr, SGD's lr x the gradient) is below half the spacing
     of float32 (float64) numbers at the tensor's rms: rounded away whatever the optimizer. A scheduler that decayed it
@@ -527,7 +527,7 @@ def _tiny_lr(lrs: Sequence[float], data_norm: float, grad_norm: float, node: _Te
     step = max(1.0, grad_norm / math.sqrt(numel))
     if not all(math.isfinite(lr) and lr > 0 and lr * step < spacing / 2 for lr in lrs):
         return None
-    return findings.TinyLearningRate(lrs[0], rms, spacing, "float64" if node.dtype == "float64" else "float32")
+    return TinyLearningRate(lrs[0], rms, spacing, "float64" if node.dtype == "float64" else "float32")
 
 
 def _drops_at_random(view: ModelView, mid: int) -> bool:

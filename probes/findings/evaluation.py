@@ -27,11 +27,11 @@ from ..model.structure import ModuleNode
 from ..schema import FindingCode, Severity
 from ..store import records
 from ..store.records import Op
-from . import finding as findings
 from .causes import assign_causes
 from .detectors import BypassCandidate, DynamicDetectors, GradlessCandidate
 from .events import EventBook, SampledEvents
 from .finding import Finding
+from .rules import NotInOptimizer, UnregisteredModule
 from .tracker import FindingTracker
 
 
@@ -52,7 +52,7 @@ UNREACHED_SAMPLES = 2
 
 
 def runtime_finding(seen: RuntimeSighting) -> Finding:
-    return findings.runtime_module(seen.path, seen.type_name, seen.called_from, seen_before=seen.seen_before,
+    return UnregisteredModule.at_run_time(seen.path, seen.type_name, seen.called_from, seen_before=seen.seen_before,
                                    same_object=seen.same_object, numel=seen.numel, step=seen.step)
 
 
@@ -171,7 +171,7 @@ class Evaluator:
                 tid = ids.get(found.path)
                 samples = self._orphan_samples.get(tid, 0) if tid is not None else 0
                 if samples >= UNREACHED_SAMPLES and tid not in self._reached:
-                    found = findings.not_in_optimizer_unreached(found, samples)  # noqa: PLW2901
+                    found = NotInOptimizer.unreached(found, samples)  # noqa: PLW2901
             out.append(found)
         return out
 

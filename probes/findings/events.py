@@ -35,7 +35,17 @@ from ..model.structure import drops_at_random, has_no_forward
 from ..schema import ModuleKind, display_path
 from . import finding as findings
 from .detectors import BypassCandidate, GradlessCandidate, ModelView
-from .finding import Finding, NonFiniteOrigin
+from .finding import Finding
+from .rules import (
+    EvalBuildsGraph,
+    ForwardBypassed,
+    NoGradient,
+    NonFinite,
+    NonFiniteOrigin,
+    TrainingModeMismatch,
+    TrainModeUnderNoGrad,
+    TrainStepInEvalMode,
+)
 
 
 @dataclasses.dataclass
@@ -264,14 +274,14 @@ class EventBook:
         out: list[Finding] = []
         if self._nograd_train is not None:
             o = self._nograd_train
-            out.append(findings.train_mode_under_no_grad(self._nograd_train_modules, self._inference_mode, o.first,
+            out.append(TrainModeUnderNoGrad.build(self._nograd_train_modules, self._inference_mode, o.first,
                                                          o.last, o.count))
         if self._eval_graph is not None:
             o = self._eval_graph
-            out.append(findings.eval_builds_graph(o.count, self._eval_graph_numel, o.first, o.last))
+            out.append(EvalBuildsGraph.build(o.count, self._eval_graph_numel, o.first, o.last))
         if self._eval_step is not None:
             o = self._eval_step
-            out.append(findings.train_step_in_eval_mode(self._eval_step_modules, o.first, o.last, o.count))
+            out.append(TrainStepInEvalMode.build(self._eval_step_modules, o.first, o.last, o.count))
         mismatch = {mid: m for mid, m in self._mismatch.items() if view.has_module(mid)}
         frozen = [mid for mid, (_, training, root_training) in mismatch.items()
                   if not training and root_training and is_norm(view, mid)
@@ -284,32 +294,32 @@ class EventBook:
         if frozen:
             # every normalization layer that ran is in eval while the model trains (or those in frozen blocks):
             # frozen statistics, one finding
-            out.append(findings.frozen_normalization(_group(view, {mid: mismatch.pop(mid)[0] for mid in frozen}),
-                                                     in_frozen_blocks))
+            group = _group(view, {mid: mismatch.pop(mid)[0] for mid in frozen})
+            out.append(TrainingModeMismatch.frozen_normalization(group, in_frozen_blocks))
         updating = {mid: o for mid, o in self._frozen_norm_updating.items() if view.has_module(mid)}
         if updating:
-            out.append(findings.frozen_normalization_updating(_group(view, updating)))
+            out.append(TrainingModeMismatch.frozen_normalization_updating(_group(view, updating)))
         noisy = {mid: o for mid, o in self._frozen_dropout.items() if view.has_module(mid)}
         if noisy:
-            out.append(findings.frozen_dropout_active(_group(view, noisy)))
+            out.append(TrainingModeMismatch.frozen_dropout_active(_group(view, noisy)))
         out += _mismatches(view, {mid: m for mid, m in mismatch.items()
                                   # a frozen teacher or backbone put in eval: the recipe
                                   if m[1] or not m[2] or not in_frozen_block(view, mid)})
         for tid, (o, owners, c) in self._bypass.items():
             if view.tensor_known(tid):
                 names = [display_path(view.module_path(m)) for m in owners]
-                out.append(findings.forward_bypassed(view.module_path(owners[0]), view.tensor_path(tid), names,
+                out.append(ForwardBypassed.build(view.module_path(owners[0]), view.tensor_path(tid), names,
                                                      o.first, o.last, o.count, c.forward_called, c.table))
         by_module: dict[int, list[tuple[int, Occurrence]]] = {}
         for tid, (o, ran) in self._gradless.items():
             if o.count >= GRADLESS_SAMPLES and view.tensor_known(tid) and view.has_module(ran[0]):
                 by_module.setdefault(ran[0], []).append((tid, o))
         for mid, tensors in by_module.items():
-            out.append(findings.no_gradient(view.module_path(mid), [view.tensor_path(t) for t, _ in tensors],
+            out.append(NoGradient.build(view.module_path(mid), [view.tensor_path(t) for t, _ in tensors],
                                             min(o.first for _, o in tensors), max(o.last for _, o in tensors),
                                             min(o.count for _, o in tensors)))
         for origin, o, later in self._episodes.values():
-            out.append(findings.non_finite(origin, last_step=o.last, count=o.count, later=later))
+            out.append(NonFinite.build(origin, last_step=o.last, count=o.count, later=later))
         return out
 
     # -------------------------------------------------------------------------- helpers
@@ -388,11 +398,12 @@ def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, 
             if is_norm(view, mid):
                 adapted.append(mid)
                 continue
-        out.append(findings.training_mode_mismatch(
+        out.append(TrainingModeMismatch.mismatch(
             view.module_path(mid), view.module_type(mid), training, root_training, o.first, o.last, o.count,
             registered=registered, inside=inside.get(mid, 0),
             pretrained=node is not None and node.type_module.startswith("transformers.")))
-    for group, make in ((monte_carlo, findings.monte_carlo_dropout), (adapted, findings.norms_training_in_eval)):
+    for group, make in ((monte_carlo, TrainingModeMismatch.monte_carlo_dropout),
+                        (adapted, TrainingModeMismatch.norms_training_in_eval)):
         if group:
             out.append(make(_group(view, {mid: mismatch[mid][0] for mid in group})))
     return out

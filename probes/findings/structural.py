@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from ..model.structure import ModelStructure, ModuleNode, is_mode_sensitive, subtree_has_state_or_modes
 from ..schema import ModuleKind, TensorKind
-from . import finding as findings
 from .finding import Finding
+from .rules import (
+    FrozenParameter,
+    NotInOptimizer,
+    SharedParameter,
+    StaleOptimizerParam,
+    UnregisteredModule,
+    UnregisteredTensor,
+)
 
 # an averaged copy of a model (EMA, SWA): its parameters follow the trained ones through update_parameters(),
 # never through an optimizer, and torch's AveragedModel copies them with requires_grad=True. By class name, so
@@ -46,27 +53,27 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
         params = list(sub.parameters())
         all_frozen = bool(params) and not any(p.requires_grad for p in params)
         frozen_only = all_frozen and not modes and next(iter(sub.buffers()), None) is None
-        out.append(findings.unregistered_module(node.path, node.type, len(params), node.params_total, owner, modes,
+        out.append(UnregisteredModule.in_attributes(node.path, node.type, len(params), node.params_total, owner, modes,
                                                 step, frozen_only=frozen_only,
                                                 all_frozen=all_frozen))
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED
         if t.kind == TensorKind.TENSOR and owner_kind == ModuleKind.REGISTERED:
-            out.append(findings.unregistered_tensor(t.path, is_parameter=t.is_parameter,
+            out.append(UnregisteredTensor.build(t.path, is_parameter=t.is_parameter,
                                                     requires_grad=t.requires_grad, shape=t.shape, dtype=t.dtype,
                                                     device=t.device, step=step))
         if t.kind == TensorKind.PARAMETER:
             if not t.requires_grad:
                 pass                       # frozen_findings
             elif s.n_optimizers and not t.in_optimizer and t.module_id not in averaged:
-                out.append(findings.not_in_optimizer(t.path, t.shape, t.numel, step))
+                out.append(NotInOptimizer.build(t.path, t.shape, t.numel, step))
             if t.aliases:
-                out.append(findings.shared_parameter(t.path, t.aliases, t.shape, step))
+                out.append(SharedParameter.build(t.path, t.aliases, t.shape, step))
     out += frozen_findings(s, modules, step)
     for st in s.stale:
         where = (f"optimizer.param_groups[{st.group}]['params'][{st.index}]" if s.n_optimizers == 1
                  else f"optimizer[{st.opt_index}].param_groups[{st.group}]['params'][{st.index}]")
-        out.append(findings.stale_optimizer_param(where, st.shape, st.opt_index, st.group, st.index, st.looks_like,
+        out.append(StaleOptimizerParam.build(where, st.shape, st.opt_index, st.group, st.index, st.looks_like,
                                                   step))
     return out
 
@@ -118,9 +125,9 @@ def frozen_findings(s: ModelStructure, modules: dict[int, ModuleNode], step: int
     alone = [t for t in frozen if not all_frozen(t.module_id)]
     if len(subtrees) + len(alone) > MAX_FROZEN_FINDINGS:
         names = [n.path for n in subtrees] + [t.path for t in alone]
-        return [findings.frozen_parameters_many(names, len(subtrees), len(frozen), sum(t.numel for t in frozen),
+        return [FrozenParameter.many(names, len(subtrees), len(frozen), sum(t.numel for t in frozen),
                                                 sum(t.in_optimizer for t in frozen), step)]
-    out = [findings.frozen_module(n.path, n.type, (c := n_frozen[n.module_id])[0], c[1], c[2], step)
+    out = [FrozenParameter.module(n.path, n.type, (c := n_frozen[n.module_id])[0], c[1], c[2], step)
            for n in subtrees]
-    out += [findings.frozen_parameter(t.path, t.shape, t.in_optimizer, step) for t in alone]
+    out += [FrozenParameter.build(t.path, t.shape, t.in_optimizer, step) for t in alone]
     return out
