@@ -2,7 +2,7 @@
 ``serve``, ``demo``, ``export``, ``findings`` and ``run``. What serving does once the arguments
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
-dashboard/findings_cli.py; ``run`` starts the training script in a child process
+dashboard/commands/findings.py; ``run`` starts the training script in a child process
 (``python -m probes.launch.autorun``: this process never imports torch) and, with ``--serve``, the
 dashboard in another.
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from probes.schema import every_option, overhead_option
 
 if TYPE_CHECKING:
-    from .server import AppConfig
+    from .web.server import AppConfig
 
 
 def fail(msg: str) -> NoReturn:
@@ -37,7 +37,7 @@ def fail(msg: str) -> NoReturn:
 
 def checked_host(host: str) -> str:
     """``--host`` validated and normalised (security.check_host), or exit 2 naming the value."""
-    from . import security  # deferred, like Dash (which it imports): --help stays fast
+    from .web import security  # deferred, like Dash (which it imports): --help stays fast
 
     try:
         return security.check_host(host)
@@ -48,7 +48,7 @@ def checked_host(host: str) -> str:
 def check_serve_args(host: str, port: int, token: str | None) -> tuple[str, str | None]:
     """Check ``--host``, ``--port`` and ``--token`` before anything starts (the demo, the
     server); returns the normalised host and the token."""
-    from . import security
+    from .web import security
 
     check_port_number(port)
     host = checked_host(host)
@@ -97,7 +97,7 @@ def check_store_target(option: str, value: str) -> None:
     ``--run``, a file must be a store file (an SQLite file, or any ``*.sqlite`` path, which a run
     may not have written yet), and one that nothing writes must be a store already. Missing paths
     are left to the store's own messages."""
-    from .data import SQLITE_HEADER, Store, StoreError, writer_present
+    from .read.store import SQLITE_HEADER, Store, StoreError, writer_present
 
     path = Path(value)
     try:
@@ -132,8 +132,8 @@ def check_store_target(option: str, value: str) -> None:
 def open_config(*, run: str | None = None, snapshot: str | None = None,
                 compare: list[str] | None = None, poll_ms: int = 1000) -> AppConfig:
     """The AppConfig for a run (live), a snapshot (review) or two stores (compare)."""
-    from .data import Store, StoreError
-    from .server import AppConfig
+    from .read.store import Store, StoreError
+    from .web.server import AppConfig
 
     for option, value in (("--run", run), ("--snapshot", snapshot), *(("--compare", c) for c in compare or ())):
         if value is not None:
@@ -159,9 +159,9 @@ def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: lis
     """Check the address, start examples/demo_train.py writing to a fresh run directory under
     ``runs_dir`` (relative to this process's folder, for the child as for the dashboard); returns
     ``(config, demo_proc)``."""
-    from .data import Store, StoreError
-    from .demo import fresh_run_dir, start_demo, stop_demo
-    from .server import AppConfig
+    from .commands.demo import fresh_run_dir, start_demo, stop_demo
+    from .read.store import Store, StoreError
+    from .web.server import AppConfig
 
     check_port(host, port)
     try:
@@ -216,8 +216,8 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
     token gets a generated one. Prints the URL. ``demo_proc`` (if any) is stopped however this
     ends, also on a Ctrl-C or SIGTERM while the app is still being built (seconds), so that the
     demo closes its run."""
-    from . import security
-    from .server import create_app
+    from .web import security
+    from .web.server import create_app
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise SystemExit(0)
@@ -248,7 +248,7 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
         pass
     finally:
         if demo_proc is not None:
-            from .demo import stop_demo
+            from .commands.demo import stop_demo
             stop_demo(demo_proc)
     return 0
 
@@ -265,7 +265,7 @@ def check_output_not_read(output: str, target: str) -> None:
     ``-journal``, lock or status file): the report written there would replace the run."""
     from probes.schema import LOCK_SUFFIX, STATUS_SUFFIX
 
-    from .run import scan_runs
+    from .read.run import scan_runs
 
     out = Path(output)
     for entry in scan_runs(target, limit=sys.maxsize):
@@ -279,9 +279,9 @@ def check_output_not_read(output: str, target: str) -> None:
 def export(output: str, *, run: str | None = None, snapshot: str | None = None, rank: int | None = None) -> int:
     """Write the standalone HTML report of a run or snapshot (the newest run of a directory) to
     ``output``: the tree and charts of ``rank`` (default: the run's lowest)."""
-    from .data import Store, StoreError
-    from .report import write_report
-    from .run import as_run_dir
+    from .read.run import as_run_dir
+    from .read.store import Store, StoreError
+    from .web.report import write_report
 
     if run is not None:
         check_store_target("--run", run)
@@ -389,7 +389,7 @@ def _dispatch(argv: list[str], prog: str) -> int:
 
 def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
     """``source``: "required" (serve), "none" (demo) or "optional" (no command: either)."""
-    from .demo import DEMO_ARGS
+    from .commands.demo import DEMO_ARGS
 
     name = {"required": f"{prog} serve", "none": f"{prog} demo"}.get(source, prog)
     p = _Parser(prog=name, description=ABOUT["serve" if source == "required" else "demo"])
@@ -411,7 +411,7 @@ def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
 
 
 def serve_main(argv: Sequence[str], prog: str = "modscope", source: str = "required") -> int:
-    from .demo import DEMO_ARGS
+    from .commands.demo import DEMO_ARGS
 
     args = serve_parser(prog, source).parse_args(list(argv))
     args.host, args.token = check_serve_args(args.host, args.port, args.token)  # before the demo starts
@@ -443,7 +443,7 @@ def export_main(argv: Sequence[str], prog: str = "modscope") -> int:
 def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
     """Print the active findings; 1 when one at ``--fail-on`` or worse exists, 2 when the store
     cannot be read."""
-    from . import findings_cli as fc
+    from .commands import findings as fc
 
     p = _Parser(prog=f"{prog} findings", description=ABOUT["findings"])
     src = p.add_mutually_exclusive_group(required=True)
@@ -599,7 +599,7 @@ def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None) -> int:
     env = child_env()
     server = None
     if serve_port is not None:
-        from .demo import die_with_parent
+        from .commands.demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
@@ -637,7 +637,7 @@ def _serve_until_stopped(server: subprocess.Popen[Any], status: int) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        from .demo import stop_demo
+        from .commands.demo import stop_demo
         stop_demo(server)
 
 

@@ -1,5 +1,5 @@
 """The store contract, end to end: stores written by the real writer (``probes.watch``) on models of
-the zoo, read through every query ``dashboard.data`` offers, and rendered by every page builder.
+the zoo, read through every query ``dashboard.read.store`` offers, and rendered by every page builder.
 
 The writer's file name is changing, so a run's store is found by globbing ``modscope*.sqlite``.
 """
@@ -21,8 +21,9 @@ from torch import nn
 
 import probes
 from bench import synth_store
-from dashboard import data as data_module
-from dashboard.data import (
+from dashboard.read import store as data_module
+from dashboard.read.run import RunDir, fold_causes, root_counts
+from dashboard.read.store import (
     RunState,
     Store,
     compare_stores,
@@ -31,11 +32,10 @@ from dashboard.data import (
     resolve_store_path,
     writer_present,
 )
-from dashboard.pages import findings as findings_page
-from dashboard.pages import modules as modules_page
-from dashboard.pages import overview as overview_page
-from dashboard.report import build_report
-from dashboard.run import RunDir, fold_causes, root_counts
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.pages import modules as modules_page
+from dashboard.web.pages import overview as overview_page
+from dashboard.web.report import build_report
 from probes import schema
 from tests.probes import zoo
 
@@ -651,7 +651,7 @@ def test_the_learning_rate_a_scheduler_sets_is_stored_per_step(tmp_path):
 
 # -- the queries behind a run of several ranks, on a real store ------------------------------------------------
 def test_cross_rank_queries_on_a_real_store(runs):
-    """What dashboard.run and dashboard.crossrank read of each rank, against the real writer's store."""
+    """What dashboard.read.run and dashboard.read.crossrank read of each rank, against the real writer's store."""
     r = runs["xor"]
     s = r.store
     assert s.sampled_steps(0) == list(range(STEPS))[::-1] and s.sampled_steps(0, 3) == [STEPS - 1, STEPS - 2, STEPS - 3]
@@ -679,7 +679,7 @@ def test_cross_rank_queries_on_a_real_store(runs):
 
 
 def test_a_real_run_read_as_a_run(runs, tmp_path):
-    """The run directory of a real (one-rank) run through dashboard.run: one run, its findings once,
+    """The run directory of a real (one-rank) run through dashboard.read.run: one run, its findings once,
     consequences folded under the root causes the writer named."""
     r = runs["xor"]
     source = RunDir.open(r.run_dir)
@@ -732,7 +732,7 @@ def test_every_page_builder_renders_a_real_store(runs, name):
 
 # -- the contract test covers every query ----------------------------------------------------------------------
 def test_every_public_query_is_exercised_here():
-    """A query added to dashboard.data must be read here against real stores too."""
+    """A query added to dashboard.read.store must be read here against real stores too."""
     source = HERE.read_text()
     queries = {name for name, member in inspect.getmembers(Store) if not name.startswith("_") and callable(member)}
     functions = {name for name, member in inspect.getmembers(data_module, inspect.isfunction)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.run import RunDir
+from dashboard.read.run import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ddp_train.py"

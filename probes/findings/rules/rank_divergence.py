@@ -1,5 +1,5 @@
 """`rank-divergence`: replicas that data parallelism keeps identical differ between ranks. The dashboard computes it
-from every rank's store (dashboard/crossrank.py): this rule describes it."""
+from every rank's store (dashboard/read/crossrank.py): this rule describes it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`rank-straggler`: one rank computes much slower than the others. The dashboard computes it from every rank's
-store (dashboard/crossrank.py): this rule describes it."""
+store (dashboard/read/crossrank.py): this rule describes it."""
 
 from __future__ import annotations
 

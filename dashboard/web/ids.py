@@ -15,10 +15,10 @@ NAV_COUNT = "nav-findings-count"
 PAGE = "page"
 BANNER = "banner"
 INTERVAL = "poll-interval"
-TICK = "tick"                  # dashboard.poll.Tick.to_data(): replaced when the store (or the view) changed
+TICK = "tick"                  # dashboard.web.poll.Tick.to_data(): replaced when the store (or the view) changed
 SELECTED = "selected-module"   # {"run", "rank", "module_id"}: the view it was made in, and the module
 EXPANDED = "expanded-nodes"    # {"view": [run, rank], "ids": [module ids]}
-RUN = "run-select"             # a run key, or dashboard.run.NEWEST (follow the newest run)
+RUN = "run-select"             # a run key, or dashboard.read.run.NEWEST (follow the newest run)
 RANK = "rank-select"
 RUN_STATUS = "run-status"
 

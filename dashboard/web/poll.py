@@ -24,9 +24,9 @@ from typing import Any, Protocol, TypeVar
 from dash import Dash, html
 from dash.exceptions import PreventUpdate
 
+from ..read.run import NEWEST, Run, RunInfo, format_ranks, others_note
+from ..read.store import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .config import AppConfig, Mode
-from .data import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
-from .run import NEWEST, Run, RunInfo, format_ranks, others_note
 
 __all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "read_tick", "reads_store", "status_text",
            "view_of"]

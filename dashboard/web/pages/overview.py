@@ -13,10 +13,10 @@ from dash.exceptions import PreventUpdate
 
 from probes.schema import ModuleKind, Severity, display_path
 
+from ...read.store import RunState
 from .. import figures, ids
 from ..components import card, consequences_text, details_key, message, severity_pill, table
 from ..config import AppConfig
-from ..data import RunState
 from ..poll import Tick, callback, plural, reads_store, view_of
 
 TOP_FINDINGS = 6

@@ -21,6 +21,8 @@ from dash.exceptions import PreventUpdate
 
 from probes.schema import Severity, TensorKind, code_label, display_path
 
+from ...read.run import Run, fold_causes, format_ranks
+from ...read.store import MAX_CHILDREN, MAX_SEARCH, REMOVED, Store
 from .. import figures, ids
 from ..components import (
     KIND_TITLES,
@@ -34,9 +36,7 @@ from ..components import (
     toggled,
 )
 from ..config import AppConfig
-from ..data import MAX_CHILDREN, MAX_SEARCH, REMOVED, Store
 from ..poll import Tick, callback, plural, reads_store, view_of
-from ..run import Run, fold_causes, format_ranks
 
 MAX_VISIBLE_ROWS = 2000
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time

@@ -14,11 +14,12 @@ from dash.exceptions import PreventUpdate
 
 from probes.schema import Severity
 
+from ..paths import assets_dir
+from ..read.run import NEWEST, fold_causes, root_counts
+from ..read.store import StoreError
 from . import ids, security
 from .config import AppConfig, Mode
-from .data import StoreError
 from .pages import Page, page_at, pages_for
-from .paths import assets_dir
 from .poll import (
     Tick,
     banner,
@@ -32,7 +33,6 @@ from .poll import (
     view_of,
 )
 from .report import build_report
-from .run import NEWEST, fold_causes, root_counts
 
 __all__ = ["AppConfig", "Mode", "create_app"]
 

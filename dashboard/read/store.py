@@ -1,7 +1,7 @@
 """Data access: every SQL statement of the dashboard lives in this module.
 
 A :class:`Store` reads one store file (one rank's, a version-1 run's, or a snapshot);
-:class:`dashboard.run.Run` reads the rank files of one run as one, on top of it. A store that a
+:class:`dashboard.read.run.Run` reads the rank files of one run as one, on top of it. A store that a
 writer may still be writing (a followed run; a file next to a ``-wal``, a ``-journal`` or the
 writer's ``.lock``) is opened ``file:...?mode=ro``, whatever its journal mode; a snapshot that
 nothing writes ``?immutable=1``. Every query is parameterised, row-limited (``LIMIT``) and
@@ -435,7 +435,7 @@ class Store:
             store.validate()
         else:
             store = cls(p, live=False, timeout_s=timeout_s)
-        store.run_dir = run_dir          # a directory of runs (dashboard.run.RunDir reads all of it)
+        store.run_dir = run_dir          # a directory of runs (dashboard.read.run.RunDir reads all of it)
         return store
 
     @classmethod
@@ -1086,7 +1086,7 @@ class Store:
                 out[p] = hit
         return out
 
-    # -- across ranks (dashboard.run, dashboard.crossrank) ------------------------------------
+    # -- across ranks (dashboard.read.run, dashboard.read.crossrank) ------------------------------------
     def rank_summary(self, rank: int) -> Row:
         """One rank's line of the Overview's per-rank table: the writer's row (host, pid, counters,
         heartbeat) and what its steps say (last step, samples stored, median of the recent step times,
@@ -1309,7 +1309,7 @@ def compare_stores(a: Store, b: Store, rank: int = 0, limit: int = MAX_COMPARE_M
     checkpoint keys added/removed, and per-module statistics then (a) and now (b).
     Modules are matched by normalised path (``blocks[0]`` ~ ``blocks.0``). ``rank`` of ``a`` is
     compared with ``rank_b`` (default: the same rank) of ``b``; ``findings_a``/``findings_b`` replace
-    each side's own active findings (a run's findings merged over its ranks: dashboard.run)."""
+    each side's own active findings (a run's findings merged over its ranks: dashboard.read.run)."""
     rb = rank if rank_b is None else rank_b
     ova, ovb = a.overview(rank), b.overview(rb)
     fa_list = list(findings_a) if findings_a is not None else a.findings(rank, active=True)

@@ -14,8 +14,8 @@ from dash import html
 
 from probes.schema import FindingCode, ModuleKind, Severity, code_label, display_path
 
+from ..read.crossrank import format_ranks
 from . import ids
-from .crossrank import format_ranks
 from .figures import fmt_count, fmt_num
 
 SEVERITY_ICONS = MappingProxyType({Severity.ERROR: "●", Severity.WARNING: "▲", Severity.INFO: "■"})

@@ -18,11 +18,11 @@ from plotly.offline import get_plotlyjs
 
 from probes.schema import ModuleKind, Severity, display_path
 
+from ..paths import assets_dir
+from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note
+from ..read.store import REMOVED, Store, status_text
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
-from .data import REMOVED, Store, status_text
-from .paths import assets_dir
-from .run import Run, RunDir, as_run_dir, format_ranks, others_note
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8

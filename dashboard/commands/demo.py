@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .paths import demo_script
+from ..paths import demo_script
 
 DEMO_SCRIPT = demo_script()      # examples/demo_train.py in a checkout, dashboard/demo_train.py in a wheel
 # default arguments of the demo: train until stopped, sampling every step

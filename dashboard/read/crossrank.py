@@ -7,7 +7,7 @@ them. ``rank-straggler`` (warning): one rank's median step time is at least 1.5x
 ranks' in at least 80% of the recent windows of steps. Nothing is added to the training loop: the
 writers store per-rank values, the comparison happens here.
 
-Torch-free and SQL-free: the values come from :class:`dashboard.data.Store` queries (``sampled_steps``,
+Torch-free and SQL-free: the values come from :class:`dashboard.read.store.Store` queries (``sampled_steps``,
 ``tensor_values``, ``tensor_history``, ``step_times``); the comparison and the texts are plain
 functions of plain data, tested on their own. Severities and fixes come from ``probes.schema.CODES``.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 from probes.schema import CODES, FindingCode, display_path
 
-from .data import MAX_TENSORS, Row, Store
+from .store import MAX_TENSORS, Row, Store
 
 REL_TOL = 1e-6                 # replicas hold bit-identical values; this only absorbs printing/rounding noise
 ABS_TOL = 1e-9                 # ... and values at zero

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from probes.schema import StrEnum
 
-from .data import Store
-from .run import RunDir
+from ..read.run import RunDir
+from ..read.store import Store
 
 
 class Mode(StrEnum):
@@ -16,9 +16,9 @@ class Mode(StrEnum):
 
 class AppConfig:
     """What the app shows: ``mode`` (a :class:`Mode` or its value), the store (and, to compare,
-    the second one) -- a :class:`~dashboard.data.Store` as the command line opens it, or a
-    :class:`~dashboard.run.RunDir` -- how often live mode polls, the access token and the address
-    served (for dashboard.security), the title and, to compare, the names of the two sides. Bad
+    the second one) -- a :class:`~dashboard.read.store.Store` as the command line opens it, or a
+    :class:`~dashboard.read.run.RunDir` -- how often live mode polls, the access token and the address
+    served (for dashboard.web.security), the title and, to compare, the names of the two sides. Bad
     values raise at once, naming the value and what was expected.
 
     ``source`` (and ``source_b``) is what the pages read: the run directory (every run in it, the
@@ -33,7 +33,8 @@ class AppConfig:
         except ValueError:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(m.value for m in Mode)}") from None
         if not isinstance(store, (Store, RunDir)):
-            raise TypeError(f"store must be a dashboard.data.Store or a dashboard.run.RunDir, got {store!r:.80}")
+            raise TypeError("store must be a dashboard.read.store.Store or a dashboard.read.run.RunDir, "
+                            f"got {store!r:.80}")
         if self.mode is Mode.COMPARE and not isinstance(store_b, (Store, RunDir)):
             raise TypeError(f"mode 'compare' needs a second store (store_b), got {store_b!r:.80}")
         if isinstance(poll_ms, bool) or not isinstance(poll_ms, int) or poll_ms < 1:

@@ -1,7 +1,7 @@
 """``modscope findings``: the active findings of a run or a snapshot, as text or JSON, and the
 exit status a CI job fails on.
 
-Plain functions over plain data: :func:`open_runs` opens the runs (:class:`dashboard.run.RunDir`, the
+Plain functions over plain data: :func:`open_runs` opens the runs (:class:`dashboard.read.run.RunDir`, the
 dashboard's reader: every rank file of a run read as one run), :func:`collect` turns their findings,
 merged over the ranks and with the cross-rank findings (``rank-divergence``, ``rank-straggler``), into
 JSON-ready dicts, :func:`exit_status` applies ``--fail-on`` and :func:`format_text` / :func:`format_json`
@@ -21,8 +21,8 @@ from typing import Any
 
 from probes.schema import SEVERITY_ORDER, Severity, display_path
 
-from .data import StoreError
-from .run import Run, RunDir, merge_findings
+from ..read.run import Run, RunDir, merge_findings
+from ..read.store import StoreError
 
 LEVELS = tuple(str(s) for s in SEVERITY_ORDER)          # error, warning, info: worst first
 

@@ -5,13 +5,13 @@ A run directory holds one store per (run, rank) (``modscope-<run id>-rank<R>.sql
 share its run id. :class:`RunDir` is what the dashboard opened: a run directory (its runs, listed
 newest first and followed while they are written) or one store file (a version-1 run's
 ``modscope.sqlite`` holding every rank, a snapshot, one rank's file). :class:`Run` is one run: its
-files, each rank's queries routed to the :class:`~dashboard.data.Store` holding that rank, and the
+files, each rank's queries routed to the :class:`~dashboard.read.store.Store` holding that rank, and the
 views the pages need merged over the ranks: the per-rank overview rows (with the writer's health),
 the findings listed once with the ranks they occur on, the findings no single process sees
-(:mod:`dashboard.crossrank`), root causes with their consequences folded under them, and a snapshot
+(:mod:`dashboard.read.crossrank`), root causes with their consequences folded under them, and a snapshot
 of every rank as one file. Rows of two runs are never mixed: a :class:`Run` only reads its own files.
 
-Plain data in and out (dicts, lists, small frozen dataclasses); no SQL here (dashboard/data.py holds
+Plain data in and out (dicts, lists, small frozen dataclasses); no SQL here (dashboard/read/store.py holds
 all of it), no Dash, no torch. ``modscope findings`` calls :meth:`Run.findings_merged`.
 """
 
@@ -30,7 +30,7 @@ from probes.schema import LEGACY_STORE_FILENAME, STORE_SUFFIX, RunStatus, parse_
 
 from . import crossrank
 from .crossrank import format_ranks
-from .data import (
+from .store import (
     MAX_FINDINGS,
     Heartbeat,
     Liveness,

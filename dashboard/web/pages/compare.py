@@ -13,11 +13,11 @@ from dash import Dash, Input, Output, dcc, html
 
 from probes.schema import display_path
 
+from ...read.run import compare_runs
 from .. import figures, ids
 from ..components import finding_badges, kind_badge, message, severity_pill, table
 from ..config import AppConfig
 from ..poll import callback, reads_store
-from ..run import compare_runs
 
 MAX_ROWS = 500
 MAX_KEYS_SHOWN = 300

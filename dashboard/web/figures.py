@@ -1,4 +1,4 @@
-"""Figure builders: pure functions from plain data (dicts/lists from dashboard.data) to
+"""Figure builders: pure functions from plain data (dicts/lists from dashboard.read.store) to
 plotly figures. No I/O, no state.
 
 Text that comes from user code (module paths, class names) is passed through
@@ -21,7 +21,7 @@ FONT = "Inter, Segoe UI, Roboto, Helvetica, Arial, sans-serif"
 GRID = "#eceef2"
 
 Figure = dict[str, Any]     # {"data": [...], "layout": {...}}
-Series = Mapping[str, Any]  # plain data from dashboard.data: {"step": [...], <key>: [...]}
+Series = Mapping[str, Any]  # plain data from dashboard.read.store: {"step": [...], <key>: [...]}
 
 
 # plotly.js's mode bar, the same on every chart: no logo, and no "Share chart..." (plotly.js 4's sendChartToCloud, which
