@@ -241,26 +241,29 @@ def divergence_finding(d: Divergence) -> Row:
     ref = d.at.values[d.at.agree[0]][d.at.quantity]
     verb = "disagrees" if len(d.at.disagree) == 1 else "disagree"
     quantity = "fingerprint" if d.at.quantity == "fingerprint" else "data norm"
+    # the close is the state after the last step: shown as that step (a sample's values are its start's)
+    last = d.step - 1 if d.at_close else d.step
+    first = last if d.first_step == d.step else d.first_step
     if d.first_step != d.step:
-        since = f"it has differed at every compared step since step {d.first_step}" + (
+        since = f"it has differed at every compared step since step {first}" + (
             " (the oldest compared)" if d.since_start else "")
     else:
         since = "first seen there"
     if d.agreed_at is not None:
         since += f"; the ranks agreed at step {d.agreed_at}, the compared step before"
-    where = f"when the ranks closed (after step {d.step - 1}):" if d.at_close else f"at step {d.step}:"
+    where = f"when the ranks closed (after step {last}):" if d.at_close else f"at step {last}:"
     message = (f"{display_path(d.path)} differs between ranks {where} {format_ranks(d.at.disagree)} "
                f"{verb} with {format_ranks(d.at.agree)} ({quantity} {_num(dis)} vs {_num(ref)}); {since}. "
                "Data parallelism keeps every replica of it identical: something changed it on some ranks only.")
     return {
         "code": FindingCode.RANK_DIVERGENCE.value, "severity": info.severity.value, "path": d.path,
         "message": message, "fix": info.fix,
-        "evidence": {"step": d.step, "first_step": d.first_step, "quantity": d.at.quantity,
+        "evidence": {"step": last, "first_step": first, "quantity": d.at.quantity,
                      "values": {str(r): v for r, v in d.at.values.items()},
                      "agree": list(d.at.agree), "disagree": list(d.at.disagree),
                      "steps_compared": d.steps_compared, "differed_since_oldest_compared": d.since_start,
                      "at_close": d.at_close, "agreed_at": d.agreed_at},
-        "ranks": list(d.at.disagree), "first_step": d.first_step, "last_step": d.step, "count": d.count,
+        "ranks": list(d.at.disagree), "first_step": first, "last_step": last, "count": d.count,
         "cause_code": None, "cause_path": None, "active": 1, "cross_rank": True,
     }
 
