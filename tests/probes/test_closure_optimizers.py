@@ -54,7 +54,7 @@ def test_lbfgs_stores_its_first_evaluations_gradients_and_the_whole_steps_update
         for _ in range(STEPS):
             evaluations = []
 
-            def closure() -> torch.Tensor:
+            def closure(evaluations: list[int] = evaluations) -> torch.Tensor:
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
@@ -107,7 +107,7 @@ def test_begin_optimizer_step_inside_the_closure_marks_the_moment(tmp_path, help
         for _ in range(3):
             evaluations = []
 
-            def closure() -> torch.Tensor:
+            def closure(evaluations: list[int] = evaluations) -> torch.Tensor:
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
