@@ -158,9 +158,13 @@ def begin_optimizer_step(optimizer: Any) -> None:
                         f"{type(optimizer).__qualname__}: {optimizer!r:.80}")
     watchers = [w for ref in list(_WATCHED.values()) if (w := ref()) is not None and not w.closed]
     for opt in candidates:
-        told = [w for w in watchers if w.optimizer_index(opt) is not None]
-        for w in told:
-            w.begin_optimizer_step(opt)
+        told = False
+        for w in watchers:
+            try:
+                w.begin_optimizer_step(opt)
+                told = True
+            except ValueError:            # not one of its optimizers
+                continue
         if told:
             return
 

@@ -13,9 +13,12 @@ user's, after backward and clipping) counts at once; later ones (the other evalu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-__all__ = ["ClosureSteps", "StepArgs", "step_closure"]
+if TYPE_CHECKING:
+    from .rank_clock import RankClock
+
+__all__ = ["ClosureSteps", "StepArgs", "optimizer_position", "step_closure"]
 
 
 class StepArgs(NamedTuple):
@@ -23,6 +26,13 @@ class StepArgs(NamedTuple):
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+
+def optimizer_position(optimizers: list[Any], optimizer: Any) -> int | None:
+    """The index of ``optimizer`` (an optimizer or an index) among the watched ``optimizers``, or None."""
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+        return optimizer if 0 <= optimizer < len(optimizers) else None
+    return next((i for i, opt in enumerate(optimizers) if opt is optimizer), None)
 
 
 def step_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
@@ -39,12 +49,30 @@ def _with_closure(args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callab
 
 
 class ClosureSteps:
-    """The closures of the optimizer steps in progress, by optimizer index."""
+    """The closures of the optimizer steps in progress, by optimizer index; with a ``clock``
+    (:class:`probes.rank_clock.RankClock`), the optimizer steps' own time too."""
 
-    def __init__(self, on_first_evaluation: Callable[[int], None]) -> None:
+    def __init__(self, on_first_evaluation: Callable[[int], None], clock: RankClock | None = None) -> None:
         self._on_first = on_first_evaluation     # (optimizer index): its gradients are final now
+        self.clock = clock
         self._pending: set[int] = set()           # in step(closure), the closure not evaluated yet
         self._inside = 0                          # closure evaluations in progress
+
+    def step_begins(self, opt_index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    sampled: bool) -> StepArgs | None:
+        """At an optimizer's step pre-hook: the step's arguments with its closure wrapped, where there is one and
+        anyone needs it (a sampled step, or the clock); else None."""
+        clock = self.clock
+        if clock is not None:
+            clock.optimizer_begin()
+        if clock is None and not sampled:
+            return None
+        return self.wrap(opt_index, args, kwargs, clock.timed_closure if clock is not None else None)
+
+    def step_ends(self, opt_index: int) -> None:
+        self._pending.discard(opt_index)
+        if self.clock is not None:
+            self.clock.optimizer_end()
 
     def wrap(self, opt_index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
              timed: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None) -> StepArgs | None:
@@ -72,9 +100,6 @@ class ClosureSteps:
         """Whether "gradients are final" for ``opt_index`` must wait: its closure has not run yet and this is
         not called from inside one."""
         return opt_index in self._pending and not self._inside
-
-    def step_done(self, opt_index: int) -> None:
-        self._pending.discard(opt_index)
 
     def clear(self) -> None:
         self._pending.clear()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import measure
+from .guard import ProbeRuntime
 from .hooks import HeldHook
 
 __all__ = ["RankClock"]
@@ -40,8 +41,8 @@ class RankClock:
     """Sums, per step, the time backward waited for the other ranks and the optimizer steps' own time;
     :meth:`own_ms` turns a step's wall time into this rank's own."""
 
-    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
-        self._on_error = on_error        # a failure is counted (probe_errors), never raised into training
+    def __init__(self, probe: ProbeRuntime) -> None:
+        self._probe = probe              # a failure is counted (probe_errors), never raised into training
         self._handle: RemovableHandle | None = None
         self.waited_s = 0.0              # this step: backward waiting for the other ranks
         self.optimizer_s = 0.0           # this step: inside optimizer steps, closure calls not counted
@@ -49,6 +50,9 @@ class RankClock:
         self._local_done = 0.0
         self._opt_started: float | None = None
         self._opt_depth = 0
+
+    def _on_error(self, exc: BaseException) -> None:
+        self._probe.errors.record("rank-clock", exc, self._probe.step)
 
     def attach(self, outermost: nn.Module) -> None:
         """A forward hook on the module the user calls (a DDP wrapper: its output is what backward starts from)."""

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import measure, records
 from .capture import StepCapture, StepRecord, release_outputs
-from .closures import ClosureSteps, StepArgs
+from .closures import ClosureSteps, StepArgs, optimizer_position
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
@@ -98,9 +98,9 @@ class Watcher:
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
-        self._closures = ClosureSteps(self._gradients_final)
         # this rank's own time per step (rank-straggler): only in a job of several processes
-        self._clock = RankClock(functools.partial(self._probe_error, "rank-clock")) if world_size > 1 else None
+        self._clock = RankClock(self._probe) if world_size > 1 else None
+        self._closures = ClosureSteps(self._gradients_final, self._clock)
         self.loss_source: Callable[[], Any] | None = None   # the step's loss when nothing records one (zero-code)
         self._stepped: set[int] = set()
         self._sample_index = 0
@@ -154,24 +154,15 @@ class Watcher:
             self._end_step()
 
     def begin_optimizer_step(self, optimizer: int | torch.optim.Optimizer = 0) -> None:
-        """The gradients of a watched optimizer (its index in the list given to ``watch``, or the optimizer) are
-        final for this step: after accumulation, unscaling and clipping. Integrations call it
-        (``boundaries="external"``); so may a loop, inside a closure given to ``optimizer.step(closure)``, after
-        backward (:func:`probes.begin_optimizer_step`). Only the first call of a step counts: a closure that LBFGS
-        evaluates several times is the step's gradients at its first evaluation, before any update. A call before
-        the closure of the ``step()`` in progress ran (a step pre-hook) waits for its first evaluation."""
-        index = self.optimizer_index(optimizer)
+        """The gradients of a watched optimizer (the optimizer or its index) are final for this step: integrations
+        call it (``boundaries="external"``), a closure may (:func:`probes.begin_optimizer_step`). Only a step's first
+        call counts; one before the closure of the ``step()`` in progress ran waits for its first evaluation."""
+        index = optimizer_position(self._optimizers, optimizer)
         if index is None:
             raise ValueError(f"optimizer {optimizer!r:.80} is not watched by {self!r}")
         if self._closed or self._closures.defers(index):
             return
         self._gradients_final(index)
-
-    def optimizer_index(self, optimizer: int | torch.optim.Optimizer) -> int | None:
-        """The index of a watched optimizer (given as the optimizer or its index), or None."""
-        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
-            return optimizer if 0 <= optimizer < len(self._optimizers) else None
-        return next((i for i, opt in enumerate(self._optimizers) if opt is optimizer), None)
 
     def _gradients_final(self, index: int) -> None:
         if self._closed or self._capture.record is None:
@@ -257,8 +248,7 @@ class Watcher:
             if self._clock is not None:
                 self._clock.detach()
                 with self._probe.guard("close-fingerprints"):    # replicas compare these however rarely they sampled
-                    self._writer.submit([records.close_values_op(self.rank, close_values(self._index))],
-                                        droppable=False)
+                    self._writer.submit([records.close_values_op(self.rank, close_values(self._index))], False)
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
@@ -350,13 +340,9 @@ class Watcher:
         if not self._external and opt_index in self._stepped:     # this optimizer steps again: a new step began
             with self._probe.guard("step-boundary"):
                 self._end_step()
-        clock = self._clock
-        if clock is not None:
-            clock.optimizer_begin()
         wrapped = None
-        if clock is not None or self._capture.record is not None:
-            with self._probe.guard("optimizer-closure"):      # the closure says when its gradients are final
-                wrapped = self._closures.wrap(opt_index, args, kwargs, clock.timed_closure if clock else None)
+        with self._probe.guard("optimizer-closure"):          # a closure says when its gradients are final
+            wrapped = self._closures.step_begins(opt_index, args, kwargs, self._capture.record is not None)
         if wrapped is None and not self._external and self._capture.record is not None:
             with self._probe.guard("optimizer-pre-hook"):     # an integration says when the gradients are final
                 self._capture.before_optimizer_step(opt_index, optimizer)
@@ -365,9 +351,7 @@ class Watcher:
     def _on_opt_post(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return
-        self._closures.step_done(opt_index)
-        if self._clock is not None:
-            self._clock.optimizer_end()
+        self._closures.step_ends(opt_index)
         with self._probe.guard("optimizer-post-hook"):
             self._capture.after_optimizer_step(opt_index)
         if self._external:
@@ -383,11 +367,8 @@ class Watcher:
         step = self._probe.step
         sampled = self._capture.record is not None
         compute_ms = self._clock.own_ms((t_end - self._probe.step_t0) * 1e3) if self._clock is not None else None
-        if self.loss_source is not None:
-            with self._probe.guard("loss-source"):
-                loss = self.loss_source()
-                if loss is not None:
-                    self._losses.record(step, loss)
+        with self._probe.guard("loss-source"):
+            self._losses.record_from(step, self.loss_source)
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
@@ -468,9 +449,6 @@ class Watcher:
                                           self._mode_sensitive(), self._index, self._runtime.findings())
             if ops:
                 self._writer.submit(ops, droppable=False)
-
-    def _probe_error(self, location: str, exc: BaseException) -> None:
-        self._probe.errors.record(location, exc, self._probe.step)
 
     # ===================================================================== losses and counters
     def _write_counters(self, status: RunStatus = RunStatus.RUNNING, closed_at: float | None = None,
