@@ -129,6 +129,19 @@ def check_store_target(option: str, value: str) -> None:
             fail(str(exc))
 
 
+def check_run_path(run: str, command: str = "modscope serve") -> None:
+    """A run that does not exist yet is waited for (said once, here); a folder of run folders is no run: they
+    are listed, with how to pick one (exit 2)."""
+    from .read.run_folders import run_folders, run_folders_text, waiting_text
+
+    if not os.path.lexists(run):
+        print(waiting_text(run), file=sys.stderr, flush=True)
+        return
+    folders = run_folders(run)
+    if folders:
+        fail(run_folders_text("--run", run, folders, command))
+
+
 def open_config(*, run: str | None = None, snapshot: str | None = None,
                 compare: list[str] | None = None, poll_ms: int = 1000) -> AppConfig:
     """The AppConfig for a run (live), a snapshot (review) or two stores (compare)."""
@@ -149,6 +162,7 @@ def open_config(*, run: str | None = None, snapshot: str | None = None,
             return AppConfig(mode="review", store=Store.open_snapshot(snapshot), title="modscope: snapshot")
         if run is None:
             fail("nothing to open: expected --run DIR, --snapshot FILE or --compare A B")
+        check_run_path(run)
         return AppConfig(mode="live", store=Store.open_run(run), poll_ms=poll_ms)
     except StoreError as exc:
         fail(str(exc))

@@ -421,6 +421,10 @@ CREATE TABLE IF NOT EXISTS params (
     moved         INTEGER,           -- 1 once an update changed it, 0 if observed unchanged, NULL unknown
     removed_step  INTEGER,           -- v4: as modules.removed_step (NULL: current); its owner's new module's
                                      -- tensors have new ids
+    close_fingerprint REAL,          -- v5: its fingerprint (as param_stats.fingerprint) when the watcher closed, after
+                                     -- the optimizer step of ranks.step: replicas compare it however rarely they
+                                     -- sampled (NULL: one process, or not closed)
+    close_data_norm   REAL,          -- v5: its data norm then
     PRIMARY KEY (rank, param_id)
 );
 CREATE INDEX IF NOT EXISTS params_by_module ON params(rank, module_id);
@@ -432,6 +436,9 @@ CREATE TABLE IF NOT EXISTS steps (
     step_ms   REAL,                  -- wall time of the step
     probe_ms  REAL,                  -- time spent inside modscope during the step
     sampled   INTEGER NOT NULL,      -- 1 when module/param statistics were taken
+    compute_ms REAL,                 -- v5: this rank's own time of the step: step_ms less the time its backward
+                                     -- waited for the other ranks' gradients and the optimizer step's own time
+                                     -- (closure calls in it count); NULL: one process
     PRIMARY KEY (rank, step)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS module_stats (
@@ -519,7 +526,8 @@ ADDED_TABLES: MappingProxyType[str, int] = MappingProxyType({"param_series": 5})
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
     "ranks": (("write_errors", "0"), ("last_error", "NULL"), ("next_sample", "NULL")),
     "modules": (("removed_step", "NULL"),),
-    "params": (("removed_step", "NULL"),),
+    "params": (("removed_step", "NULL"), ("close_fingerprint", "NULL"), ("close_data_norm", "NULL")),
+    "steps": (("compute_ms", "NULL"),),
     "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
     "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
 })

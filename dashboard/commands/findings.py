@@ -22,6 +22,7 @@ from typing import Any
 from probes.schema import SEVERITY_ORDER, Severity, display_path
 
 from ..read.run import Run, RunDir, merge_findings
+from ..read.run_folders import run_folders, run_folders_text
 from ..read.store import StoreError
 
 LEVELS = tuple(str(s) for s in SEVERITY_ORDER)          # error, warning, info: worst first
@@ -48,6 +49,9 @@ def open_runs(*, run: str | os.PathLike[str] | None = None,
         ready = [r for r in runs if r.ready()]
     except StoreError as exc:
         raise FindingsError(str(exc)) from None
+    folders = run_folders(path) if snapshot is None else []
+    if not ready and folders:
+        raise FindingsError(run_folders_text(flag, path, folders, "modscope findings"))
     if not ready:
         raise FindingsError(f"{flag} {path}: no store yet (nothing written to this run); expected a run "
                             "directory that probes.watch() or modscope run wrote to")

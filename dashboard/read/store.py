@@ -375,6 +375,14 @@ class WriteTrouble:
     dropped_samples: int
 
 
+@dataclass(frozen=True)
+class CloseValues:
+    """A rank's replicated tensors when its watcher closed: after the optimizer step of ``after_step``."""
+
+    after_step: int
+    values: dict[str, tuple[Any, Any]]      # path -> (fingerprint, data_norm)
+
+
 # -- the store --------------------------------------------------------------------------------------
 class Store:
     """Read access to one store file (a live run's rank, or a snapshot).
@@ -567,6 +575,7 @@ class Store:
         conn = self._conn()
         deadline = time.monotonic() + self.timeout_s
         conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 2000)
+        cur = None
         try:
             cur = conn.execute(sql, tuple(params))
             rows = cur.fetchmany(limit) if limit is not None else cur.fetchall()
@@ -577,6 +586,10 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise StoreError(_describe_db_error(self.path, exc)) from None
         finally:
+            if cur is not None:
+                # resets the statement, which ends its read transaction now: a reader holding one would keep the
+                # writer's WAL checkpoint at close waiting (rows fetchmany left unread keep it open otherwise)
+                cur.close()
             conn.set_progress_handler(None, 0)
         return rows
 
@@ -1134,6 +1147,27 @@ class Store:
         return [(int(r["step"]), float(r["step_ms"])) for r in self._query(
             "SELECT step, step_ms FROM steps WHERE rank = ? AND step_ms IS NOT NULL ORDER BY step DESC LIMIT ?",
             (rank, limit), limit=limit)]
+
+    def compute_times(self, rank: int, limit: int = MAX_STEP_LIST) -> list[tuple[int, float]]:
+        """(step, compute_ms) of the newest ``limit`` steps of ``rank`` that have this rank's own time (a job of
+        several processes), newest first."""
+        column = self._column("steps", "compute_ms")
+        return [(int(r["step"]), float(r["ms"])) for r in self._query(
+            f"SELECT step, {column} AS ms FROM steps WHERE rank = ? AND {column} IS NOT NULL ORDER BY step DESC "
+            "LIMIT ?", (rank, limit), limit=limit)]
+
+    def close_values(self, rank: int, limit: int = MAX_TENSORS) -> CloseValues | None:
+        """What ``rank`` stored of its replicated tensors when its watcher closed (after the optimizer step of
+        ``ranks.step``), or None (still running, one process, or a store older than them)."""
+        fp, dn = self._column("params", "close_fingerprint"), self._column("params", "close_data_norm")
+        rank_row = self._one("SELECT status, step FROM ranks WHERE rank = ?", (rank,))
+        if rank_row is None or rank_row["status"] != RunStatus.CLOSED or rank_row["step"] is None:
+            return None
+        rows = self._query(f"SELECT path, {fp} AS fp, {dn} AS dn FROM params WHERE rank = ? AND {fp} IS NOT NULL "
+                           f"AND {self._current('params')} LIMIT ?", (rank, limit), limit=limit)
+        if not rows:
+            return None
+        return CloseValues(int(rank_row["step"]), {str(r["path"]): (r["fp"], r["dn"]) for r in rows})
 
     def tensor_values(self, rank: int, step: int, limit: int = MAX_TENSORS) -> dict[str, tuple[Any, Any]]:
         """What replicas must agree on, for every tensor of ``rank`` with statistics at ``step``:

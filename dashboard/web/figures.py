@@ -85,7 +85,8 @@ def _scatter(x: Sequence[Any], y: Sequence[Any], name: str, color: str, n: int) 
 def loss_figure(series: Series, uirevision: object = "loss", height: int = 280) -> Figure:
     steps, loss = series.get("step") or [], series.get("loss") or []
     if not steps:
-        return empty_figure("No loss recorded yet (pass loss= to watcher.step()).", height)
+        # no API named: a run of `modscope run` records the loss itself, and its script calls nothing of modscope
+        return empty_figure("No loss recorded yet.", height)
     layout = _base("Loss", height, uirevision)
     if all(v is None or v > 0 for v in loss) and _spread(loss) > 100:
         layout["yaxis"]["type"] = "log"

@@ -38,6 +38,12 @@ class LossRecorder:
         self._observe(step, loss)
         self._submit([records.loss_op(self.rank, step, time.time(), loss)])
 
+    def record_from(self, step: int, source: Callable[[], Any] | None) -> None:
+        """The loss ``source`` gives for ``step`` (zero-code: what backward() ran on), if any."""
+        loss = source() if source is not None else None
+        if loss is not None:
+            self.record(step, loss)
+
     def take_pending(self) -> list[tuple[int, torch.Tensor]]:
         """The device losses waiting, to be read with a sampled step's copy (see :meth:`read`)."""
         pending, self.pending = self.pending, []

@@ -713,8 +713,8 @@ class StepCapture:
         """Gradients are final: their norms, the learning rates (schedulers change them every step), and
         the update baseline of this optimizer's tensors."""
         rec, index = self.record, self.index
-        if rec is None or index is None:
-            return
+        if rec is None or index is None or opt_index in rec.baselines or opt_index in rec.stepped:
+            return       # said already this step (a closure evaluated again: its first evaluation's gradients count)
         if not rec.orphans_checked and not rec.updates:
             # tensors no optimizer holds: their change across this step proves (non-)updates
             rec.orphans_checked = True

@@ -57,6 +57,7 @@ from ..api import process_rank, watch, watcher_of
 from ..capture.step import hide_global_hook_warning, restore_warning_filters
 from ..model.structure import unwrap
 from ..watcher import Watcher
+from .backward_loss import BackwardLosses
 
 __all__ = ["AutoWatch", "install"]
 
@@ -136,6 +137,9 @@ class AutoWatch:
         self._tracking_since = 0.0
         self._noted: set[str] = set()
         self._closed = False
+        # the loss of each step: what backward() ran on (the script never hands it to modscope)
+        self._losses = BackwardLosses()
+        self._loss_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()   # those of watchers taking it
 
     # ----------------------------------------------------------------------------- lifecycle
     def start(self) -> AutoWatch:
@@ -146,6 +150,7 @@ class AutoWatch:
         self._warning_filter = hide_global_hook_warning()      # torch.compile wrappers warn about these hooks
         self._tracking_since = time.perf_counter()
         self._opt_handle = register_optimizer_step_post_hook(self._on_step)
+        self._losses.install()
         return self
 
     def close(self) -> None:
@@ -159,6 +164,7 @@ class AutoWatch:
         if self._opt_handle is not None:
             self._opt_handle.remove()
             self._opt_handle = None
+        self._losses.remove()
         if _elsewhere():
             return
         for ref, _ in sorted(self._pending.values(), key=lambda v: v[1]):
@@ -210,6 +216,8 @@ class AutoWatch:
             self._local.depth = depth - 1
 
     def _on_step(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if opt not in self._loss_optimizers:
+            self._losses.discard()               # the loss of a step no watcher of ours records
         if opt in self._done or self._closed or _elsewhere():
             return
         t0 = time.perf_counter()
@@ -267,6 +275,8 @@ class AutoWatch:
             self._pending.pop(id(other), None)
         w = watch(model, group if len(group) > 1 else opt, run_dir=self.run_dir, every=self.every,
                   overhead=self.overhead)
+        w.loss_source = self._losses.take
+        self._loss_optimizers.update(group)
         name = type(unwrap(model)).__name__            # the user's class, not a DDP or compile wrapper's
         self._names[id(w)] = name
         self._watched.add(model)

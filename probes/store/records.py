@@ -75,7 +75,7 @@ MODULE_COLS = ("rank", "module_id", "path", "parent_id", "name", "type", "type_m
 PARAM_COLS = ("rank", "param_id", "path", "module_id", "name", "shape", "numel", "dtype", "device", "kind",
               "requires_grad", "registered", "is_parameter", "in_state_dict", "in_optimizer", "opt_index",
               "opt_group", "lr", "aliases", "removed_step")
-STEP_COLS = ("rank", "step", "wall_time", "step_ms", "probe_ms", "sampled")
+STEP_COLS = ("rank", "step", "wall_time", "step_ms", "probe_ms", "sampled", "compute_ms")
 MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "absmax", "zero_frac",
               "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
 PSTAT_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm", "update_norm", "update_ratio",
@@ -152,9 +152,15 @@ _STEP_SQL = upsert_sql("steps", STEP_COLS, ("rank", "step"))
 
 
 def step_op(rank: int, step: int, wall_time: float, step_ms: float | None, probe_ms: float | None,
-            sampled: bool) -> Op:
-    return (_STEP_SQL,
-            [(rank, step, wall_time, finite_or_none(step_ms), finite_or_none(probe_ms), int(sampled))])
+            sampled: bool, compute_ms: float | None = None) -> Op:
+    return (_STEP_SQL, [(rank, step, wall_time, finite_or_none(step_ms), finite_or_none(probe_ms), int(sampled),
+                         finite_or_none(compute_ms))])
+
+
+def close_values_op(rank: int, values: Mapping[int, tuple[float | None, float | None]]) -> Op:
+    """What replicas must agree on, taken when the watcher closed: param id -> (fingerprint, data norm)."""
+    return ("UPDATE params SET close_fingerprint = ?, close_data_norm = ? WHERE rank = ? AND param_id = ?",
+            [(finite_or_none(fp), finite_or_none(dn), rank, pid) for pid, (fp, dn) in values.items()])
 
 
 def loss_op(rank: int, step: int, wall_time: float, loss: float | None) -> Op:

@@ -31,6 +31,7 @@ FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
 ROWS_PER_STATEMENT = 32   # rows of one INSERT statement, for the thousands of rows of a sample (see _execute)
 WAKE_AT = 64              # queued items that wake the writer early
 RETRY_INTERVAL = 1.0      # seconds between commit attempts while commits fail
+CHECKPOINT_WAIT_S = 10.0  # at close: how long the WAL checkpoint waits for readers to finish their reads
 STATUS_INTERVAL = 5.0     # seconds between status reports while commits fail
 
 
@@ -148,6 +149,26 @@ def _declarations(table: str) -> dict[str, str]:
         if len(words) >= 2 and words[0].isidentifier() and words[0].upper() != "PRIMARY":
             out[words[0]] = " ".join(words[1:])
     return out
+
+
+def checkpoint_wal(conn: sqlite3.Connection, wait_s: float = CHECKPOINT_WAIT_S) -> bool:
+    """Copy the write-ahead log into the main file and truncate it to zero bytes, so that the main file alone
+    holds the run once the writer has gone (the last connection to close does this itself, but a dashboard's
+    open connection makes the writer's close not the last one). A reader in a read transaction makes the
+    checkpoint wait (SQLite's busy handler); readers keep their reads short, so it waits at most ``wait_s``,
+    trying again until then. True when the log was emptied."""
+    deadline = time.monotonic() + wait_s
+    try:
+        conn.execute(f"PRAGMA busy_timeout={int(wait_s * 1000)}")
+        while True:
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            if not busy:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except sqlite3.Error:
+        return False
 
 
 def _remove_store_files(path: Path) -> None:
@@ -300,6 +321,8 @@ class StoreWriter:
                     batch.items.append(item)  # type: ignore[arg-type]
             if batch.items:
                 self._commit(conn, batch)
+            if self.journal == "wal":
+                checkpoint_wal(conn)
             conn.close()
             self._report()
             if self._status is not None:

@@ -37,6 +37,7 @@ from dashboard.web.pages import modules as modules_page
 from dashboard.web.pages import overview as overview_page
 from dashboard.web.report import build_report
 from probes import schema
+from probes.store.writer import rundir
 from tests.probes import zoo
 
 STEPS = 12
@@ -676,6 +677,35 @@ def test_cross_rank_queries_on_a_real_store(runs):
         {"encoder.blocks[1].weight": "encoder.blocks[1]", "stem": "stem", "no.such.thing": ""}
     assert in_wal_mode(store_file(r.run_dir)) is True          # a local filesystem, one host: WAL
     assert last_modified(store_file(r.run_dir)) >= s.overview()["closed_at"] - 1
+
+
+def test_replica_queries_on_stores_of_two_real_ranks(tmp_path, monkeypatch):
+    """What the writer of a rank of a data-parallel job adds (each step's own time, the replicated tensors at
+    close), read back: two ranks of one run written in this process (RANK / WORLD_SIZE as torchrun sets them)."""
+    monkeypatch.setenv("MODSCOPE_RUN_ID", "pair")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    x, y = zoo.xor_data(64)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setattr(rundir, "_explicit_uses", {})      # each "rank" is the run's first watch()
+        torch.manual_seed(0)
+        model = zoo.XORClassifier()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train(tmp_path, model, opt, classifier_step(model, opt, x, y), steps=6)
+    run = RunDir.open(tmp_path).run()
+    assert run.ranks() == [0, 1]
+    for rank in (0, 1):
+        s = run.at(rank)
+        times = s.compute_times(rank)
+        assert [step for step, _ in times] == list(range(6))[::-1] and all(ms > 0 for _, ms in times)
+        closing = s.close_values(rank)
+        assert closing is not None and closing.after_step == 5
+        assert {"stem.weight", "head.bias"} <= set(closing.values)
+        assert all(fp is not None and dn > 0 for fp, dn in closing.values.values())
+        assert closing.values["stem.weight"][1] == pytest.approx(float(model.stem.weight.detach().norm()), rel=1e-5)
+    # the same data on both "ranks": identical replicas, nothing cross-rank to say
+    assert run.at(0).close_values(0).values == run.at(1).close_values(1).values
+    assert run.cross_rank_findings() == []
 
 
 def test_a_real_run_read_as_a_run(runs, tmp_path):
