@@ -27,6 +27,7 @@ from dash.exceptions import PreventUpdate
 from .config import AppConfig, Mode
 from .data import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .run import NEWEST, Run, RunInfo, format_ranks, others_note
+from .shown_text import TEXT_MAX, clip
 
 __all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "read_tick", "reads_store", "status_text",
            "view_of"]
@@ -145,7 +146,7 @@ def clock(ts: float) -> str:
 
 def write_trouble_text(trouble: WriteTrouble) -> str:
     counts = f"{plural(trouble.failed_commits, 'commit')} failed, {plural(trouble.dropped_samples, 'sample')} dropped"
-    error = trouble.error or "unknown error"
+    error = clip(trouble.error or "unknown error", TEXT_MAX)
     if trouble.failing:
         since = f" since {clock(trouble.failing_since)}" if trouble.failing_since else ""
         return (f"Store writes are failing{since}: {error} — {counts}; "

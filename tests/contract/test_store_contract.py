@@ -315,7 +315,7 @@ def test_snapshot_round_trip(runs, tmp_path):
     snap = tmp_path / "snap.sqlite"
     snap.write_bytes(s.snapshot_bytes())
     copy = Store.open_snapshot(snap)
-    assert not copy.live and copy.meta()["snapshot_of"] == str(s.path)
+    assert not copy.live and copy.meta()["snapshot_of"] == s.path.name
     ignore = {"path", "live"}
     assert {k: v for k, v in copy.overview().items() if k not in ignore} == \
         {k: v for k, v in s.overview().items() if k not in ignore}
