@@ -4,6 +4,7 @@ renders as text, never as HTML."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .crossrank import format_ranks
 from .figures import fmt_count, fmt_num
 from .shown_text import FULL_MAX, LABEL_MAX, TEXT_MAX, clip, title
 
+KEY_MAX = 400             # characters of a finding's code and path in the keys of its <details> (details_key)
 PATH_MAX = 300            # characters of a finding's path on its card (all of them, to TITLE_MAX, in its tooltip)
 SEVERITY_ICONS = MappingProxyType({Severity.ERROR: "●", Severity.WARNING: "▲", Severity.INFO: "■"})
 
@@ -106,8 +108,12 @@ def card(label: str, value: Any, sub: Any = None, cls: str = "") -> html.Div:
 def details_key(part: str, f: Mapping[str, Any]) -> str:
     """What names a finding's ``<details>`` (``part``: "evidence" or "consequences") or control ("open",
     "top": ``data-focus-key``, where assets/modscope.js puts the focus back) over redraws: the part, the
-    finding's code and its path."""
-    return json.dumps([part, str(f.get("code") or ""), str(f.get("path") or "")], separators=(",", ":"))
+    finding's code and its path (a long one as its start and a digest of it: a key is sent with every card)."""
+    code, path = (str(f.get(k) or "") for k in ("code", "path"))
+    if len(code) + len(path) > KEY_MAX:
+        digest = hashlib.sha1(f"{code}\0{path}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        code, path = code[:KEY_MAX // 4], f"{path[:KEY_MAX // 2]}#{digest}"
+    return json.dumps([part, code, path], separators=(",", ":"))
 
 
 def toggled(opened: object, toggle: object) -> list[str]:

@@ -1047,7 +1047,9 @@ class Store:
             # a module of the model now: its tensors now; one removed: those it had (removed with it)
             f"AND ({self._current('params', 'p')} OR ? = 1) "
             "ORDER BY p.param_id LIMIT ?",
-            (rank, module_id, like, int(m is not None), int(m is not None and m["removed_step"] is not None), limit),
+            # (a prefix longer than a LIKE pattern may be (SQLite: 50,000 bytes) looks for no alias)
+            (rank, module_id, like if len(like) < 49_000 else "", int(m is not None and len(like) < 49_000),
+             int(m is not None and m["removed_step"] is not None), limit),
             limit=limit)
         out = []
         for r in rows:

@@ -95,9 +95,9 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
     if config.mode is Mode.COMPARE:
         return Tick(ready=True)
     source = config.source
+    runs = tuple(e.key for e in source.entries())
     try:
         shown = source.run(run)
-        runs = tuple(e.key for e in source.entries())
         if not shown.ready():
             return Tick(runs=runs)
         view = shown.view_rank(rank)
@@ -107,7 +107,8 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
     except StoreNotReadyError:
         return Tick()
     except StoreError as exc:
-        return Tick(error=str(exc))
+        # the runs stay listed: the selector leads away from a run that cannot be read
+        return Tick(error=str(exc), runs=runs, run="" if run in (None, NEWEST) else str(run))
     trouble = _trouble(health.troubles, len(ranks) > 1)
     return Tick(ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks, last_step=sig.last_step,
                 stats_step=sig.stats_step, structure=sig.structure, findings=findings, progress=progress,

@@ -56,7 +56,7 @@ _RANGES: Mapping[str, tuple[float, float]] = {
     **dict.fromkeys(("started_at", "updated_at", "closed_at", "wall_time"), (0.0, MAX_TIME)),
     **dict.fromkeys(("zero_frac", "dead_frac", "sat_frac"), (0.0, 1.0)),
     **dict.fromkeys(("step_ms", "probe_ms", "overhead", "std", "absmax", "grad_norm", "data_norm", "update_norm",
-                     "update_ratio", "local_grad_norm", "out_grad_norm"), (0.0, _FINITE)),
+                     "update_ratio", "local_grad_norm", "out_grad_norm", "lr"), (0.0, _FINITE)),
     "world_size": (1, 2**31),
     "rank": (0, 2**31),
 }
@@ -66,13 +66,15 @@ def _range(name: str, kind: str) -> tuple[float, float]:
     return _RANGES.get(name, (0, MAX_ID) if kind == "INTEGER" else (-_FINITE, _FINITE))
 
 
-def _type_test(name: str, kind: str) -> str | None:
-    """SQL: true when ``name`` holds a value of ``kind`` in its range (None: any value will do)."""
+def _type_test(name: str, kind: str, key: bool = False) -> str | None:
+    """SQL: true when ``name`` holds a value of ``kind`` in its range (None: any value will do). On a key the range
+    test is written ``+column`` so that the planner does not take it for an index range: the query's own equality
+    on that column keeps choosing the index."""
     col = f'"{name}"'
     if kind in ("INTEGER", "REAL"):
         lo, hi = _range(name, kind)
         types = "'integer'" if kind == "INTEGER" else "'integer', 'real'"
-        return f"typeof({col}) IN ({types}) AND {col} BETWEEN {lo!r} AND {hi!r}"
+        return f"typeof({col}) IN ({types}) AND {'+' if key else ''}{col} BETWEEN {lo!r} AND {hi!r}"
     if kind == "TEXT":
         return f"typeof({col}) = 'text'"
     return None
@@ -107,7 +109,7 @@ def view_sql(table: str, present: tuple[str, ...] | None) -> str:
             select.append(f'{defaults.get(c.name, "NULL")} AS "{c.name}"')
         elif c.key:
             select.append(f'"{c.name}"')
-            test = _type_test(c.name, c.type)
+            test = _type_test(c.name, c.type, key=True)
             if test is not None:
                 where.append(f"({test})" if c.not_null else f'("{c.name}" IS NULL OR ({test}))')
         else:
@@ -148,8 +150,8 @@ def fetch_bounded(cur: sqlite3.Cursor, limit: int | None, where: object) -> list
                 if value.__class__ is str or value.__class__ is bytes:
                     total += len(value)
         if total > MAX_QUERY_BYTES:
-            raise UntrustedStoreError(f"{where}: one read returned more than {MAX_QUERY_BYTES // 2**20} MiB of text; "
-                                      "modscope writes far less (a store from elsewhere?)")
+            raise UntrustedStoreError(f"{where}: one read returned more than {MAX_QUERY_BYTES:,} characters of text; "
+                                      "modscope writes far less (refused)")
         rows.extend(chunk)
     return rows
 

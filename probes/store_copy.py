@@ -39,6 +39,7 @@ from .schema import (
 MAX_SCHEMA_OBJECTS = 10_000         # rows of sqlite_master a store may have
 SNAPSHOT_TIMEOUT_S = 600.0          # a snapshot that takes longer is stopped (and leaves no file)
 SHOWN_NAME = 60                     # characters of a foreign object's name quoted in a message
+MAX_LIKE_PATTERN = 50_000           # SQLite's own ceiling for a LIKE pattern (a search, a path prefix)
 
 # What a reader lets SQLite do: ``sqlite3.Connection.setlimit`` (Python 3.11+). The length limit is the one that
 # bounds a single function call (``hex(zeroblob(50000000))`` fails at once instead of allocating 100 MB).
@@ -46,7 +47,7 @@ _READ_LIMITS = (("SQLITE_LIMIT_LENGTH", MAX_VALUE_BYTES), ("SQLITE_LIMIT_SQL_LEN
                 ("SQLITE_LIMIT_COLUMN", 500), ("SQLITE_LIMIT_EXPR_DEPTH", 200),
                 ("SQLITE_LIMIT_COMPOUND_SELECT", 50), ("SQLITE_LIMIT_VDBE_OP", 200_000),
                 ("SQLITE_LIMIT_FUNCTION_ARG", 32), ("SQLITE_LIMIT_ATTACHED", 0),
-                ("SQLITE_LIMIT_LIKE_PATTERN_LENGTH", 10_000), ("SQLITE_LIMIT_VARIABLE_NUMBER", 10_000),
+                ("SQLITE_LIMIT_LIKE_PATTERN_LENGTH", MAX_LIKE_PATTERN), ("SQLITE_LIMIT_VARIABLE_NUMBER", 10_000),
                 ("SQLITE_LIMIT_TRIGGER_DEPTH", 1), ("SQLITE_LIMIT_WORKER_THREADS", 0))
 
 

@@ -130,9 +130,9 @@ def wrong_values(path: Path) -> Path:
                  "samples_dropped = -1, probe_errors = 'x', overhead = 9e999, write_errors = 'x', last_error = 5, "
                  "model_class = x'ff', device = NULL, torch_version = 3.5")
     conn.execute("UPDATE modules SET depth = 'deep', n_children = -1, params_total = 'many', "
-                 "params_trainable = 1e300, params_in_optimizer = NULL, kind = 42, name = x'ff', type = NULL, "
+                 "params_trainable = 1e300, params_in_optimizer = NULL, kind = x'01', name = x'ff', type = NULL, "
                  "first_step = 'x', removed_step = -5 WHERE module_id = 1")
-    conn.execute("UPDATE modules SET type_module = 7, params_total = -1 WHERE module_id = 2")
+    conn.execute("UPDATE modules SET type_module = x'07', params_total = -1 WHERE module_id = 2")
     conn.execute("INSERT INTO modules (rank, module_id, path, parent_id, name, type, kind, depth) "
                  "VALUES (0, 'x', 'bad.id', 0, 'bad', 'T', 'registered', 1), (0, 99, x'00', 0, 'b', 'T', "
                  "'registered', 1), (0, 98, 'child.of.bad', 'x', 'c', 'T', 'registered', 1)")
