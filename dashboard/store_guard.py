@@ -128,7 +128,7 @@ def prepare(conn: sqlite3.Connection, where: object) -> str | None:
     audit = guard_reads(conn, where)
     missing = [t for t in TABLES if t not in audit.tables and ADDED_TABLES.get(t, 0) <= max(audit.version, 1)]
     if missing:
-        return audit.note(where)
+        return None             # not a store (yet): validate() says so; its foreign objects are no news
     for table in TABLES:
         conn.execute(view_sql(table, audit.tables.get(table)))
     return audit.note(where)

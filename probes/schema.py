@@ -575,28 +575,19 @@ def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
 
 # ---------------------------------------------------------------------------------- snapshots
 class UntrustedStoreError(ValueError):
-    """A store file that modscope will not read or copy as it is (a generated column, a view where a table belongs,
-    a value longer than it lets SQLite build, a copy that ran out of time): one line naming the file and the
-    object."""
+    """A store modscope will not read or copy as it is: one line naming the file and the object."""
 
 
 def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str], *,
              timeout_s: float | None = None) -> Path:
-    """The stores of one run (its ranks) as one new file at ``dest``, never a pickle: created from ``DDL``, the
-    contract's columns of the contract's tables copied row by row (no trigger, view or other object of the files,
-    none of their SQL run; memory independent of their size), each store as of one instant, within ``timeout_s``
-    (default ``store_copy.SNAPSHOT_TIMEOUT_S``); its meta says of which files (their names) and when; renamed into
-    place complete or not at all (``probes/store_copy.py``). Raises UntrustedStoreError (one line)."""
+    """The stores of one run as one new file made from ``DDL`` (never a pickle): ``probes/store_copy.py``."""
     from .store_copy import SNAPSHOT_TIMEOUT_S, copy_stores
-
     return copy_stores(sources, dest, timeout_s=SNAPSHOT_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def guard_reads(conn: sqlite3.Connection, where: object) -> SchemaAudit:
-    """Bound what SQLite may build on a reader's ``conn`` and audit the store's schema (``probes/store_copy.py``).
-    Raises UntrustedStoreError for an object that would run the file's own SQL when read."""
+    """Bound a reader's ``conn`` and audit its store's schema (UntrustedStoreError: ``probes/store_copy.py``)."""
     from .store_copy import audit, limit_reads
-
     limit_reads(conn)
     return audit(conn, where)
 
@@ -604,5 +595,4 @@ def guard_reads(conn: sqlite3.Connection, where: object) -> SchemaAudit:
 def contract_columns() -> Mapping[str, tuple[Column, ...]]:
     """Each table's columns as ``DDL`` declares them (name, type, not null, key, JSON kind)."""
     from .store_copy import contract
-
     return contract().columns

@@ -704,6 +704,9 @@ def test_a_real_run_read_as_a_run(runs, tmp_path):
     assert Store.open_snapshot(snap).findings(active=None) == r.store.findings(active=None)
     data, step = run.snapshot_with_step(0)          # the step a download's name gives: the copy's own
     assert step == STEPS - 1 and data[:16] == b"SQLite format 3\x00"
+    streamed = tmp_path / "streamed.sqlite"         # the Snapshot button's and `modscope snapshot`'s: written to disk
+    assert data_module.snapshot_to(run.snapshot_files(), streamed, 0) == STEPS - 1
+    assert Store.open_snapshot(streamed).findings(active=None) == r.store.findings(active=None)
 
 
 def s_meta_run_id(r: Recorded) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from dash.exceptions import PreventUpdate
-from hostile_stores import generated_path, long_finding_paths, long_run_name, trigger_on_meta, wrong_values
+from hostile_stores import HOSTILE, generated_path, long_finding_paths, long_run_name, trigger_on_meta, wrong_values
 
 from bench import synth_store
 from dashboard import store_guard
@@ -22,6 +22,7 @@ from dashboard.data import Store, StoreError
 from dashboard.pages import modules
 from dashboard.report import build_report
 from dashboard.run import RunDir
+from dashboard.server import AppConfig, create_app
 from dashboard.shown_text import LABEL_MAX, TITLE_MAX, file_part
 from probes import schema
 
@@ -214,3 +215,19 @@ def test_a_click_with_a_bad_module_id_is_no_click(tmp_path, bad):
         modules.handle_click(store, {"action": "toggle", "id": bad}, None, 0, ["", 0])
     assert store_guard.valid_id(bad) is None
     assert store_guard.valid_id("12") == 12 and store_guard.valid_id(7) == 7
+
+
+# -- the page's shell ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_the_shell_of_a_hostile_store_served_alone_loads(tmp_path, name):
+    """What ``--snapshot FILE`` serves, the layout every page load builds (its failure is "Error loading layout"):
+    built, or the store refused at open in one line (the command line's exit 2)."""
+    store = HOSTILE[name](tmp_path / f"modscope-{name}-rank0.sqlite")
+    try:
+        opened = Store.open_snapshot(store)
+    except StoreError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith(str(store))
+        return
+    layout = create_app(AppConfig(mode="review", store=opened)).layout()
+    text = json.dumps(layout, default=lambda c: c.to_plotly_json())
+    assert len(text) < 200_000
