@@ -18,7 +18,7 @@ from ..components import card, consequences_text, details_key, message, name_spa
 from ..config import AppConfig
 from ..data import RunState
 from ..poll import Tick, callback, plural, reads_store, view_of
-from ..shown_text import clip
+from ..shown_text import TITLE_MAX, clip
 
 TOP_FINDINGS = 6
 
@@ -110,7 +110,7 @@ def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[
         path = clip(display_path(f["path"]))
         mid = f.get("module_id")
         parts = [severity_pill(f["severity"], f["code"]),
-                 name_span(display_path(f["path"]), "mono path"),
+                 html.Span(path, className="mono path", title=clip(display_path(f["path"]), TITLE_MAX)),
                  html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None]
         cls = f"top-finding sev-border-{severity_of(f['severity']).value}"
         if mid is None:       # nothing to open
