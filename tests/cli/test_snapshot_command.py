@@ -28,9 +28,11 @@ REPO = Path(__file__).resolve().parents[2]
 MB = 2**20
 
 # the real command line in a process that reports its own peak memory (MiB) on its last line of stderr
-PEAK = ("import resource, sys; sys.path.insert(0, sys.argv[1]); from dashboard.cli import main\n"
+# (VmHWM: this process's own; ru_maxrss would count the parent's memory at the fork, which Linux keeps across exec)
+PEAK = ("import sys; sys.path.insert(0, sys.argv[1]); from dashboard.cli import main\n"
         "try:\n    code = main(sys.argv[2:])\nexcept SystemExit as exc:\n    code = exc.code\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr); sys.exit(code)")
+        "peak = next(int(l.split()[1]) // 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+        "print(peak, file=sys.stderr); sys.exit(code)")
 
 
 def env() -> dict[str, str]:
