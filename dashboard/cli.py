@@ -334,6 +334,7 @@ COMMANDS = {
     "demo": "[--host H] [--port P] [--token T] [--runs-dir DIR] [--demo-arg ARG ...]",
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
+    "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
 }
 ABOUT = {
@@ -341,6 +342,7 @@ ABOUT = {
     "demo": "train the demo model (with its plain-list bug) and serve the dashboard on it",
     "export": "a standalone HTML report of a run or snapshot",
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
+    "snapshot": "one store file of a run (every rank) or a snapshot, holding only what modscope writes",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
 _SOURCE_FLAGS = ("--run", "--snapshot", "--compare")
@@ -393,6 +395,9 @@ def _dispatch(argv: list[str], prog: str) -> int:
         return export_main(rest, prog)
     if cmd == "findings":
         return findings_main(rest, prog)
+    if cmd == "snapshot":
+        from .commands.snapshot import snapshot_main
+        return snapshot_main(rest, prog, _Parser)
     if cmd == "run":
         return run_main(rest, prog)
     if cmd.startswith("-"):

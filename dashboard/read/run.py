@@ -30,6 +30,7 @@ from probes.schema import LEGACY_STORE_FILENAME, STORE_SUFFIX, RunStatus, parse_
 
 from . import crossrank
 from .crossrank import format_ranks
+from .shown_text import clip
 from .store import (
     MAX_FINDINGS,
     Heartbeat,
@@ -190,7 +191,7 @@ class RunInfo:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at)) if self.started_at else "?"
         ident = self.run_id or self.key.removeprefix(FILE_KEY)
         ranks = format_ranks(self.ranks) if self.ranks else "no rank"
-        name = f" · {self.name}" if self.name and self.name != ident else ""
+        name = f" · {clip(self.name)}" if self.name and self.name != ident else ""     # a name can be long
         return f"{ident}{name} · {when} · {ranks} · {self.status}"
 
 
@@ -382,6 +383,7 @@ class Run:
             if t is not None:
                 troubles.append((r, t))
         warnings = [f"{path.name}: left out ({problem})" for path, problem in self.problems.items()]
+        warnings += sorted({s.schema_note for s in route.values() if s.schema_note})    # objects ignored (store_guard)
         if self.live:
             me = socket.gethostname()
             seen: set[Path] = set()

@@ -1,4 +1,5 @@
-"""Data access: every SQL statement of the dashboard lives in this module.
+"""Data access: every SQL statement of the dashboard lives in this module (and the checked views every
+connection reads through, in :mod:`dashboard.store_guard`: a store is untrusted input).
 
 A :class:`Store` reads one store file (one rank's, a version-1 run's, or a snapshot);
 :class:`dashboard.read.run.Run` reads the rank files of one run as one, on top of it. A store that a
@@ -21,6 +22,7 @@ testable without a browser.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -57,6 +59,8 @@ from probes.schema import (
     read_status,
     snapshot,
 )
+
+from .store_guard import MAX_VALUE_BYTES, UntrustedStoreError, checked_meta, fetch_bounded, loads_json, prepare
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 REMOVED = "removed"          # what a module (or tensor) no longer part of the model is shown as (modules.removed_step)
@@ -194,6 +198,8 @@ def _describe_db_error(path: Path, exc: BaseException) -> str:
         return f"{path}: not an SQLite file"
     if "malformed" in text or "corrupt" in text:
         return f"{path}: corrupt SQLite file ({text})"
+    if "too big" in text:
+        return f"{path}: holds a string or blob longer than {MAX_VALUE_BYTES:,} bytes; modscope writes none (refused)"
     return f"{path}: cannot read the store ({text})"
 
 
@@ -221,12 +227,7 @@ def check_header(path: Path, *, allow_missing: bool = False) -> bool:
 
 
 def _loads(text: Any, default: Any = None) -> Any:
-    if text is None:
-        return default
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        return default
+    return loads_json(text, default)         # bounded (store_guard.MAX_JSON_DEPTH)
 
 
 def _finite(x: Any) -> Any:
@@ -402,6 +403,7 @@ class Store:
         self._lock = threading.Lock()
         self._ready = False
         self._columns: dict[str, frozenset[str]] = {}
+        self.schema_note: str | None = None      # the foreign schema objects ignored (store_guard.prepare), one line
         if not live:
             self.validate()
 
@@ -480,6 +482,17 @@ class Store:
                 raise StoreError(_describe_db_error(self.path, exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(_describe_db_error(self.path, exc)) from None
+        try:
+            note = prepare(conn, self.path)   # bounded, audited, read through checked views (store_guard)
+        except UntrustedStoreError as exc:
+            conn.close()
+            raise StoreError(str(exc)) from None
+        except sqlite3.Error as exc:
+            conn.close()
+            raise StoreError(_describe_db_error(self.path, exc)) from None
+        if note is not None and note != self.schema_note:
+            self.schema_note = note
+            logging.getLogger("modscope.store").warning(note)
         conn.row_factory = sqlite3.Row
         return conn
 
@@ -578,7 +591,11 @@ class Store:
         cur = None
         try:
             cur = conn.execute(sql, tuple(params))
-            rows = cur.fetchmany(limit) if limit is not None else cur.fetchall()
+            rows = fetch_bounded(cur, limit, self.path)
+        except UntrustedStoreError as exc:
+            raise StoreError(str(exc)) from None
+        except OverflowError:                 # a number of the request that SQLite cannot hold (an id from a URL)
+            raise StoreError(f"{self.path}: a number in the request is out of range") from None
         except sqlite3.OperationalError as exc:
             if "interrupted" in str(exc):
                 raise QueryTimeoutError(f"{self.path}: query took longer than {self.timeout_s:g} s") from None
@@ -600,7 +617,7 @@ class Store:
     # -- run level -----------------------------------------------------------------------
     def meta(self) -> Row:
         rows = self._query("SELECT key, value FROM meta ORDER BY key LIMIT 500", limit=500)
-        return {r["key"]: _loads(r["value"], r["value"]) for r in rows}
+        return checked_meta({r["key"]: _loads(r["value"], r["value"]) for r in rows})
 
     def ranks(self) -> list[int]:
         rows = self._query("SELECT rank FROM ranks ORDER BY rank LIMIT 4096", limit=4096)
@@ -1001,7 +1018,7 @@ class Store:
         rng = self._one("SELECT COUNT(*) AS n, MIN(step) AS lo, MAX(step) AS hi FROM module_stats "
                         "WHERE rank = ? AND module_id = ? AND hist IS NOT NULL", (rank, module_id))
         edges_row = self._one("SELECT value FROM meta WHERE key = 'hist_edges'")
-        edges = _loads(edges_row["value"], []) if edges_row else []
+        edges = checked_meta({"hist_edges": _loads(edges_row["value"])})["hist_edges"] or [] if edges_row else []
         if not rng or not rng["n"]:
             return {"step": [], "counts": [], "edges": edges}
         bucket = max(1, math.ceil((rng["hi"] - rng["lo"] + 1) / max_cols))
@@ -1044,7 +1061,9 @@ class Store:
             # a module of the model now: its tensors now; one removed: those it had (removed with it)
             f"AND ({self._current('params', 'p')} OR ? = 1) "
             "ORDER BY p.param_id LIMIT ?",
-            (rank, module_id, like, int(m is not None), int(m is not None and m["removed_step"] is not None), limit),
+            # (a prefix longer than a LIKE pattern may be (SQLite: 50,000 bytes) looks for no alias)
+            (rank, module_id, like if len(like) < 49_000 else "", int(m is not None and len(like) < 49_000),
+             int(m is not None and m["removed_step"] is not None), limit),
             limit=limit)
         out = []
         for r in rows:
@@ -1251,19 +1270,31 @@ def snapshot_bytes(paths: Sequence[Path]) -> bytes:
 def snapshot_with_step(paths: Sequence[Path], rank: int = 0) -> tuple[bytes, int | None]:
     """:func:`snapshot_bytes` and the newest step of ``rank`` in those very bytes (read from the copy,
     not from the store a writer may have moved on since: what a download's file name says)."""
+    with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
+        dst = Path(d) / "snapshot.sqlite"
+        step = snapshot_to(paths, dst, rank)
+        return dst.read_bytes(), step
+
+
+def snapshot_to(paths: Sequence[Path], dest: Path, rank: int = 0, *, timeout_s: float | None = None) -> int | None:
+    """Write one consistent file of the stores at ``paths`` to ``dest`` (``probes.schema.snapshot``: streamed, no
+    foreign schema object copied, bounded in time); returns the newest step of ``rank`` in that copy (what a
+    download's file name says). StoreError (one line) when it cannot be made."""
     if not paths:
         raise StoreNotReadyError("nothing to snapshot yet: waiting for the first sample")
-    with tempfile.TemporaryDirectory(prefix="modscope-snap-") as d:
+    try:
+        snapshot(list(paths), dest, timeout_s=timeout_s)
+        conn = sqlite3.connect(_sqlite_uri(dest, immutable=True), uri=True)
         try:
-            dst = snapshot(list(paths), Path(d) / "snapshot.sqlite")
-            conn = sqlite3.connect(_sqlite_uri(dst, immutable=True), uri=True)
-            try:
-                row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,)).fetchone()
-            finally:
-                conn.close()
-            return dst.read_bytes(), (int(row[0]) if row and row[0] is not None else None)
-        except (sqlite3.Error, OSError, ValueError) as exc:
-            raise StoreError(_describe_db_error(Path(paths[0]), exc)) from None
+            row = conn.execute("SELECT MAX(step) FROM steps WHERE rank = ? AND typeof(step) = 'integer'",
+                               (rank,)).fetchone()
+        finally:
+            conn.close()
+        return int(row[0]) if row and row[0] is not None else None
+    except UntrustedStoreError as exc:
+        raise StoreError(str(exc)) from None
+    except (sqlite3.Error, OSError, ValueError) as exc:
+        raise StoreError(_describe_db_error(Path(paths[0]), exc)) from None
 
 
 # -- root causes (every page counts and folds findings with these) ---------------------------

@@ -4,6 +4,7 @@ renders as text, never as HTML."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from probes.schema import FindingCode, ModuleKind, Severity, code_label, display
 from ..read.crossrank import format_ranks
 from . import ids
 from .figures import fmt_count, fmt_num
+from .shown_text import FULL_MAX, LABEL_MAX, TEXT_MAX, clip, title
 
+KEY_MAX = 400             # characters of a finding's code and path in the keys of its <details> (details_key)
+PATH_MAX = 300            # characters of a finding's path on its card (all of them, to TITLE_MAX, in its tooltip)
 SEVERITY_ICONS = MappingProxyType({Severity.ERROR: "●", Severity.WARNING: "▲", Severity.INFO: "■"})
 
 KIND_TITLES: MappingProxyType[str, str] = MappingProxyType({
@@ -56,7 +60,7 @@ def badge_specs(findings: Iterable[Mapping[str, Any]], kind: str = ModuleKind.RE
         if code in seen:
             continue
         seen.add(code)
-        out.append(BadgeSpec(code, code_label(code), severity_of(f["severity"])))
+        out.append(BadgeSpec(clip(code), clip(code_label(code)), severity_of(f["severity"])))
     return out
 
 
@@ -72,12 +76,13 @@ def finding_badges(findings: Iterable[Mapping[str, Any]], kind: str = ModuleKind
 def kind_badge(kind: str | None) -> html.Span | None:
     if kind is None or kind == ModuleKind.REGISTERED:
         return None
-    return html.Span(kind, className=f"badge kind-{kind}", title=KIND_TITLES.get(kind, ""))
+    return html.Span(clip(kind), className=f"badge kind-{clip(kind, 40)}", title=KIND_TITLES.get(kind, ""))
 
 
 def severity_pill(severity: object, text: str | None = None) -> html.Span:
     sev = severity_of(severity)
-    return html.Span([SEVERITY_ICONS[sev], " ", text or sev.value], className=f"pill sev-{sev.value}")
+    return html.Span([SEVERITY_ICONS[sev], " ", clip(text or sev.value)], className=f"pill sev-{sev.value}",
+                     title=title(text))
 
 
 def params_text(m: Mapping[str, Any]) -> str:
@@ -103,8 +108,12 @@ def card(label: str, value: Any, sub: Any = None, cls: str = "") -> html.Div:
 def details_key(part: str, f: Mapping[str, Any]) -> str:
     """What names a finding's ``<details>`` (``part``: "evidence" or "consequences") or control ("open",
     "top": ``data-focus-key``, where assets/modscope.js puts the focus back) over redraws: the part, the
-    finding's code and its path."""
-    return json.dumps([part, str(f.get("code") or ""), str(f.get("path") or "")], separators=(",", ":"))
+    finding's code and its path (a long one as its start and a digest of it: a key is sent with every card)."""
+    code, path = (str(f.get(k) or "") for k in ("code", "path"))
+    if len(code) + len(path) > KEY_MAX:
+        digest = hashlib.sha1(f"{code}\0{path}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        code, path = code[:KEY_MAX // 4], f"{path[:KEY_MAX // 2]}#{digest}"
+    return json.dumps([part, code, path], separators=(",", ":"))
 
 
 def toggled(opened: object, toggle: object) -> list[str]:
@@ -134,7 +143,27 @@ def evidence_block(evidence: Any, *, key: str | None = None, opened: Collection[
         return None
     text = json.dumps(evidence, indent=2, sort_keys=True, default=str) if not isinstance(evidence, str) \
         else evidence
+    if len(text) > FULL_MAX:
+        text = f"{text[:FULL_MAX]}\n… (the first {FULL_MAX:,} of {len(text):,} characters)"
     return details([html.Summary("evidence"), html.Pre(text, className="evidence")], "evidence-box", key, opened)
+
+
+def name_span(text: object, cls: str = "", limit: int = LABEL_MAX) -> html.Span:
+    """A name as a Span: cut to ``limit``, the whole value (to ``TITLE_MAX``) in its tooltip."""
+    return html.Span(clip(text, limit), className=cls or None, title=title(text, limit))
+
+
+def long_text(text: object, cls: str = "", limit: int = TEXT_MAX) -> html.Div:
+    """A message as a Div: cut to ``limit``; a longer one with a "show all N characters" toggle holding the value
+    (its first ``FULL_MAX`` characters, said so, when longer)."""
+    s = "" if text is None else str(text)
+    if len(s) <= limit:
+        return html.Div(s, className=cls or None)
+    more = f"show all {len(s):,} characters" if len(s) <= FULL_MAX else \
+        f"show the first {FULL_MAX:,} of {len(s):,} characters"
+    return html.Div([*([clip(s, limit)] if limit else []), html.Details([html.Summary(more, className="show-all"),
+                                                   html.Pre(s[:FULL_MAX], className="full-text")])],
+                    className=cls or None)
 
 
 def table(headers: list[str], rows: list[list[Any]], cls: str = "") -> html.Table:
@@ -150,6 +179,8 @@ def _td(c: Any) -> html.Td:
         return html.Td(fmt_num(c), className="num")
     if c is None:
         return html.Td("–", className="muted")
+    if isinstance(c, str):
+        return html.Td(clip(c), title=title(c))
     return html.Td(c)
 
 
@@ -171,7 +202,7 @@ def cause_text(f: Mapping[str, Any]) -> str | None:
     """'caused by unregistered-module at encoder.blocks[0]' for a consequence."""
     if not f.get("cause_code"):
         return None
-    return f"caused by {f['cause_code']} at {display_path(str(f.get('cause_path') or ''))}"
+    return f"caused by {clip(f['cause_code'])} at {clip(display_path(str(f.get('cause_path') or '')), TEXT_MAX)}"
 
 
 def consequences_text(n: int) -> str:
@@ -203,13 +234,14 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module
     card does it too. The card itself is no control: it holds the evidence and consequences toggles,
     which must stay toggles of their own (interactive content inside a button is invalid ARIA)."""
     sev = severity_of(f["severity"])
-    path = display_path(f["path"])
+    full_path = display_path(f["path"])
+    path = clip(full_path, PATH_MAX)              # whole in its tooltip
     mid = f.get("module_id")
     module = int(mid) if opens_module and mid is not None else None      # the module a click opens
     opens = module is not None
     own: dict[str, Any] = {}
     if module is not None:
-        own = {**ids.click_attrs(ids.ClickAction.OPEN, module), "title": f"show module {path}"}
+        own = {**ids.click_attrs(ids.ClickAction.OPEN, module), "title": f"show module {clip(full_path, 2 * PATH_MAX)}"}
     elif opens_module:      # no module to open: a click on it does nothing (nor opens the card around it)
         own = ids.click_attrs(ids.ClickAction.OPEN, -1)
     own.update(attrs)
@@ -224,16 +256,17 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module
         html.Div([severity_pill(sev, f["code"]),
                   html.Button(path, className="mono path finding-open", **{"data-focus-key": details_key("open", f)},
                               **ids.button_attrs(ids.ClickAction.OPEN, module,
-                                                 f"{f['code']} at {path}: show this module"))
-                  if module is not None else html.Span(path, className="mono path"),
+                                                 f"{clip(f['code'])} at {path}: show this module"))
+                  if module is not None else html.Span(path, className="mono path", title=title(full_path, PATH_MAX)),
                   removed_badge(f) or (html.Span("resolved", className="badge resolved")
                                         if not f.get("active", 1) else None),
                   html.Span(format_ranks(ranks), className="badge ranks", title="ranks it occurs on")
                   if show_ranks and ranks else None,
                   html.Span(seen_text(f), className="steps") if seen_text(f) else None], className="finding-head"),
-        html.Div(f["message"], className="finding-message"),
+        long_text(f["message"], "finding-message"),
         html.Div(cause, className="finding-cause") if cause else None,
-        html.Div([html.B("Fix: "), f["fix"]], className="finding-fix") if f.get("fix") else None,
+        html.Div([html.B("Fix: "), clip(f["fix"], TEXT_MAX)], className="finding-fix", title=title(f["fix"], TEXT_MAX))
+        if f.get("fix") else None,
         evidence_block(f.get("evidence"), key=details_key("evidence", f), opened=opened),
         details([html.Summary(consequences_text(len(consequences)), className="consequences-toggle"),
                  html.Div([finding_card(c, show_ranks=show_ranks, opens_module=opens_module, folded=True,

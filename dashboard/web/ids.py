@@ -25,7 +25,7 @@ RUN_STATUS = "run-status"
 # export
 EXPORT_SNAPSHOT_BTN = "export-snapshot-btn"
 EXPORT_REPORT_BTN = "export-report-btn"
-DOWNLOAD_SNAPSHOT = "download-snapshot"
+DOWNLOAD_SNAPSHOT = "download-snapshot"   # {"url", "filename"}: a snapshot to fetch (dashboard.downloads)
 DOWNLOAD_REPORT = "download-report"
 
 # overview page

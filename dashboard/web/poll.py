@@ -27,6 +27,7 @@ from dash.exceptions import PreventUpdate
 from ..read.run import NEWEST, Run, RunInfo, format_ranks, others_note
 from ..read.store import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .config import AppConfig, Mode
+from .shown_text import TEXT_MAX, clip
 
 __all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "read_tick", "reads_store", "status_text",
            "view_of"]
@@ -94,9 +95,9 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
     if config.mode is Mode.COMPARE:
         return Tick(ready=True)
     source = config.source
+    runs = tuple(e.key for e in source.entries())
     try:
         shown = source.run(run)
-        runs = tuple(e.key for e in source.entries())
         if not shown.ready():
             return Tick(runs=runs)
         view = shown.view_rank(rank)
@@ -106,7 +107,8 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
     except StoreNotReadyError:
         return Tick()
     except StoreError as exc:
-        return Tick(error=str(exc))
+        # the runs stay listed: the selector leads away from a run that cannot be read
+        return Tick(error=str(exc), runs=runs, run="" if run in (None, NEWEST) else str(run))
     trouble = _trouble(health.troubles, len(ranks) > 1)
     return Tick(ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks, last_step=sig.last_step,
                 stats_step=sig.stats_step, structure=sig.structure, findings=findings, progress=progress,
@@ -145,7 +147,7 @@ def clock(ts: float) -> str:
 
 def write_trouble_text(trouble: WriteTrouble) -> str:
     counts = f"{plural(trouble.failed_commits, 'commit')} failed, {plural(trouble.dropped_samples, 'sample')} dropped"
-    error = trouble.error or "unknown error"
+    error = clip(trouble.error or "unknown error", TEXT_MAX)
     if trouble.failing:
         since = f" since {clock(trouble.failing_since)}" if trouble.failing_since else ""
         return (f"Store writes are failing{since}: {error} — {counts}; "

@@ -3,7 +3,9 @@ with the overview (and, for a run of several ranks, one line per rank), the modu
 rank, the run's findings (merged over its ranks; root causes with their consequences folded under
 them, expandable) and the main charts.
 
-Every string from the store is passed through ``html.escape``."""
+Every string from the store is passed through ``html.escape``, and cut (``shown_text``: a long one whole, to
+``TITLE_MAX``, in its tooltip; a message whole, to ``FULL_MAX``, under "show all"). The report names the store by
+its file name, never the folder it is in (docs/security.md: what a report contains)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,31 @@ from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note
 from ..read.store import REMOVED, Store, status_text
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
+from .shown_text import FULL_MAX, TEXT_MAX, clip, title
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8
 ASSETS = assets_dir()
 
 
-def esc(x: object) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
+def esc(x: object, limit: int = FULL_MAX) -> str:
+    """``x`` as HTML text, cut to ``limit`` characters."""
+    return html.escape(clip(x, limit), quote=True)
+
+
+def esc_name(x: object) -> str:
+    """A name as HTML: cut to ``shown_text.LABEL_MAX``, whole (to ``TITLE_MAX``) in its tooltip."""
+    tip = title(x)
+    return f'<span title="{esc(tip)}">{esc(clip(x))}</span>' if tip else esc(x)
+
+
+def esc_text(x: object) -> str:
+    """A message as HTML: cut to ``TEXT_MAX``; whole (to ``FULL_MAX``) under "show all"."""
+    s = "" if x is None else str(x)
+    if len(s) <= TEXT_MAX:
+        return esc(s)
+    return (f'{esc(s, TEXT_MAX)}<details><summary>show all {len(s):,} characters</summary>'
+            f'<pre class="full-text">{esc(s)}</pre></details>')
 
 
 def _fig_html(fig: dict[str, Any], div_id: str) -> str:
@@ -91,17 +110,18 @@ def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths
         kind = (f'<span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None
                 else "" if m["kind"] == ModuleKind.REGISTERED
-                else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>')
-        params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
+                else f'<span class="badge kind-{esc(m["kind"], 40)}">{esc_name(m["kind"])}</span>')
+        total = m["params_total"]
+        params = f'<span class="tree-params">{total:,} params</span>' if isinstance(total, int) and total else ""
         badges = _badges(own.get(m["module_id"], []), m["kind"])
-        label = (f'<span class="tree-label mono">{esc(name)}</span>'
-                 f'<span class="tree-type">{esc(m["type"])}</span>{kind}{badges}{params}')
+        label = (f'<span class="tree-label mono">{esc_name(name)}</span>'
+                 f'<span class="tree-type">{esc_name(m["type"])}</span>{kind}{badges}{params}')
         children = kids.get(m["module_id"], [])
         if not children:
-            return f'<li class="leaf kind-{esc(m["kind"])}">{label}</li>'
+            return f'<li class="leaf kind-{esc(m["kind"], 40)}">{label}</li>'
         inner = "".join(node(c, depth + 1) for c in children)
         opened = " open" if depth < 2 else ""
-        return (f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{label}</summary>'
+        return (f'<li class="kind-{esc(m["kind"], 40)}"><details{opened}><summary>{label}</summary>'
                 f'<ul>{inner}</ul></details></li>')
 
     body = "".join(node(r, 0) for r in roots)
@@ -114,7 +134,7 @@ def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> 
     if f.get("evidence"):
         ev = ('<details><summary>evidence</summary><pre class="evidence">'
               + esc(json.dumps(f["evidence"], indent=2, sort_keys=True, default=str)) + "</pre></details>")
-    fix = f'<div class="finding-fix"><b>Fix: </b>{esc(f["fix"])}</div>' if f.get("fix") else ""
+    fix = f'<div class="finding-fix"><b>Fix: </b>{esc_text(f["fix"])}</div>' if f.get("fix") else ""
     ranks = (f'<span class="badge ranks">{esc(format_ranks(f["ranks"]))}</span> '
              if show_ranks and f.get("ranks") else "")
     seen = seen_text(f)
@@ -128,9 +148,9 @@ def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> 
                  f'{esc(consequences_text(len(consequences)))}</summary><div class="consequences-list">'
                  + "".join(_finding_html(c, show_ranks, folded=True) for c in consequences) + "</div></details>")
     return (f'<div class="finding sev-border-{sev}"><div class="finding-head">'
-            f'<span class="pill sev-{sev}">{esc(f["code"])}</span> '
-            f'<span class="mono path">{esc(display_path(f["path"]))}</span> {ranks}{seen_html}</div>'
-            f'<div class="finding-message">{esc(f["message"])}</div>{cause_html}{fix}{ev}{inner}</div>')
+            f'<span class="pill sev-{sev}">{esc_name(f["code"])}</span> '
+            f'<span class="mono path">{esc_name(display_path(f["path"]))}</span> {ranks}{seen_html}</div>'
+            f'<div class="finding-message">{esc_text(f["message"])}</div>{cause_html}{fix}{ev}{inner}</div>')
 
 
 def _findings_html(items: list[dict[str, Any]], show_ranks: bool = False) -> str:
@@ -149,7 +169,7 @@ def _ranks_html(rows: list[dict[str, Any]]) -> str:
         "<tr>" + "".join(f"<td>{esc(v)}</td>" for v in (
             f"rank {r['rank']}", figures.fmt_num(r["step"]), figures.fmt_num(r["median_step_ms"]),
             "–" if r["overhead"] is None else f"{r['overhead'] * 100:.2f}%", figures.fmt_num(r["samples_stored"]),
-            figures.fmt_num(r["samples_dropped"]), r.get("hostname") or "–", r["status_text"])) + "</tr>"
+            figures.fmt_num(r["samples_dropped"]), clip(r.get("hostname") or "–"), r["status_text"])) + "</tr>"
         for r in rows)
     return (f'<section class="panel" id="ranks"><h2>Ranks ({len(rows)})</h2><table class="table">'
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>")
@@ -169,9 +189,9 @@ def _overview_html(ov: dict[str, Any]) -> str:
         ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
         *([("Failed store commits", ov["write_errors"]), ("Last store error", ov.get("last_error"))]
           if ov.get("write_errors") else []),
-        ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", ov.get("path")),
+        ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", Path(ov["path"]).name),
     ]
-    trs = "".join(f"<tr><th>{esc(k)}</th><td>{esc(figures.fmt_num(v) if not isinstance(v, str) else v)}</td></tr>"
+    trs = "".join(f"<tr><th>{esc(k)}</th><td>{esc_name(figures.fmt_num(v) if not isinstance(v, str) else v)}</td></tr>"
                   for k, v in rows)
     sev = ov.get("root_causes") or ov["findings"]
     pills = "".join(f'<span class="pill sev-{s}">{sev[s]} {s}{"s" if sev[s] != 1 else ""}</span> '
@@ -223,29 +243,30 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
         gone = (f' <span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None else "")
         module_sections.append(
-            f'<section class="report-module"><h3 class="mono">{esc(display_path(m["path"]))} '
-            f'<span class="tree-type">{esc(m["type"])}</span>{gone}</h3><div class="charts">'
+            f'<section class="report-module"><h3 class="mono">{esc_name(display_path(m["path"]))} '
+            f'<span class="tree-type">{esc_name(m["type"])}</span>{gone}</h3><div class="charts">'
             + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
             + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")
             + _fig_html(figures.grad_figure(series, rev), f"chart-{i}-grad")
             + _fig_html(figures.heatmap_figure(store.module_hist(rank, mid), rev), f"chart-{i}-heat")
             + "</div></section>")
     generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    title = f"modscope report: {ov['run_name']}"
+    heading = f"modscope report: {clip(ov['run_name'])}"
+    store_name = Path(ov["path"]).name                   # the file's name: where it lies stays out of the report
     tree_rank = f" (rank {rank})" if several else ""
     ranks_section = _ranks_html(run.rank_rows()) if several else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{esc(title)}</title>
+<title>{esc(heading)}</title>
 <style>{_css()}</style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body class="report">
 <header class="header"><div class="brand"><span class="brand-a">mod</span><span class="brand-b">scope</span></div>
-<div class="subtitle"><span class="mode mode-review">report</span><span class="run-path">{esc(ov['path'])}</span>
+<div class="subtitle"><span class="mode mode-review">report</span><span class="run-path">{esc(store_name)}</span>
 <span class="run-status">generated {esc(generated)}</span></div></header>
 <main class="page">
-<h1>{esc(title)}</h1>
+<h1>{esc(heading)}</h1>
 <section class="panel" id="overview"><h2>Overview</h2>{_overview_html(ov)}</section>
 {ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>

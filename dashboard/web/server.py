@@ -19,6 +19,7 @@ from ..read.run import NEWEST, fold_causes, root_counts
 from ..read.store import StoreError
 from . import ids, security
 from .config import AppConfig, Mode
+from .downloads import FOLLOW_JS, Downloads
 from .pages import Page, page_at, pages_for
 from .poll import (
     Tick,
@@ -33,6 +34,7 @@ from .poll import (
     view_of,
 )
 from .report import build_report
+from .shown_text import file_part
 
 __all__ = ["AppConfig", "Mode", "create_app"]
 
@@ -40,8 +42,8 @@ ASSETS = assets_dir()
 CARTESIAN_PLOTLY_PREFIX = "plotly-cartesian-"
 
 
-def _safe_filename(name: str | None) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("_") or "run"
+def _safe_filename(name: object) -> str:
+    return file_part(name)          # letters, digits, '.', '_', '-'; cut (a 20,000-character run name)
 
 
 def cartesian_plotly_asset() -> Path | None:
@@ -143,7 +145,7 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
                     title="Download a single-file snapshot of this run (open it with --snapshot)"),
         html.Button("⤓ HTML report", id=ids.EXPORT_REPORT_BTN, n_clicks=0, className="btn",
                     title="Download a standalone HTML report (works offline)"),
-        dcc.Download(id=ids.DOWNLOAD_SNAPSHOT),
+        dcc.Store(id=ids.DOWNLOAD_SNAPSHOT, data=None),     # followed by the page (downloads.FOLLOW_JS)
         dcc.Download(id=ids.DOWNLOAD_REPORT),
     ]
     header = html.Header([
@@ -247,18 +249,25 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
     def failed_download(what: str) -> Any:
         return lambda text: (no_update, html.Div(f"{what} failed: {text}", className="banner-error"))
 
+    downloads = Downloads()
+    downloads.install(app.server)
+
     @callback(app, Output(ids.DOWNLOAD_SNAPSHOT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
                   Input(ids.EXPORT_SNAPSHOT_BTN, "n_clicks"), State(ids.TICK, "data"), prevent_initial_call=True)
     @reads_store(source, failed=failed_download("Snapshot"), tick_first=False)
     def download_snapshot(n: int | None, tick: object) -> tuple[Any, Any]:
-        """Every rank of the run shown, as one file (probes.schema.snapshot of its rank files)."""
+        """Every rank of the run shown, as one file (probes.schema.snapshot of its rank files), written to disk
+        and fetched by the page from a one-time URL (dashboard.downloads: never held in memory); its name says the
+        step the copy holds, not the live store's."""
         if not n:
             raise PreventUpdate
         run, rank = view_of(config, Tick.from_data(tick))
-        data, step = run.snapshot_with_step(rank)      # the step the copied bytes hold, not the live store's
         ov = run.at(rank).overview(rank)
-        name = f"{_safe_filename(ov.get('run_name'))}-step{step}.sqlite"
-        return dcc.send_bytes(data, filename=name), no_update
+        link = downloads.snapshot(run, rank, ov.get("run_name"))
+        return {"url": link.url, "filename": link.filename}, no_update
+
+    app.clientside_callback(FOLLOW_JS, Output(ids.DOWNLOAD_SNAPSHOT, "clear_data"),
+                            Input(ids.DOWNLOAD_SNAPSHOT, "data"), prevent_initial_call=True)
 
     @callback(app, Output(ids.DOWNLOAD_REPORT, "data"), Output(ids.BANNER, "children", allow_duplicate=True),
                   Input(ids.EXPORT_REPORT_BTN, "n_clicks"), State(ids.TICK, "data"), prevent_initial_call=True)

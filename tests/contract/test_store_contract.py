@@ -316,7 +316,7 @@ def test_snapshot_round_trip(runs, tmp_path):
     snap = tmp_path / "snap.sqlite"
     snap.write_bytes(s.snapshot_bytes())
     copy = Store.open_snapshot(snap)
-    assert not copy.live and copy.meta()["snapshot_of"] == str(s.path)
+    assert not copy.live and copy.meta()["snapshot_of"] == s.path.name
     ignore = {"path", "live"}
     assert {k: v for k, v in copy.overview().items() if k not in ignore} == \
         {k: v for k, v in s.overview().items() if k not in ignore}
@@ -734,6 +734,9 @@ def test_a_real_run_read_as_a_run(runs, tmp_path):
     assert Store.open_snapshot(snap).findings(active=None) == r.store.findings(active=None)
     data, step = run.snapshot_with_step(0)          # the step a download's name gives: the copy's own
     assert step == STEPS - 1 and data[:16] == b"SQLite format 3\x00"
+    streamed = tmp_path / "streamed.sqlite"         # the Snapshot button's and `modscope snapshot`'s: written to disk
+    assert data_module.snapshot_to(run.snapshot_files(), streamed, 0) == STEPS - 1
+    assert Store.open_snapshot(streamed).findings(active=None) == r.store.findings(active=None)
 
 
 def s_meta_run_id(r: Recorded) -> str:

@@ -109,7 +109,7 @@ def test_bad_port_and_usage(tmp_path, demo_snapshot):
 
 def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, tmp_path):
     """Without torch (blocked), every dashboard module imports, a snapshot opens, the report and the
-    app build: of probes only the torch-free contract (probes.schema) is loaded."""
+    app build: of probes only the torch-free contract (probes.schema, and the stdlib module it calls) is loaded."""
     code = (
         "import sys, builtins, pkgutil, importlib\n"
         "sys.modules['torch'] = None\n"                 # as if torch were not installed
@@ -132,7 +132,8 @@ def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, t
         "build_report(s)\n"
         "dashboard.web.server.create_app(dashboard.web.server.AppConfig(mode='review', store=s)).layout()\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'probes') and sys.modules[m])\n"
-        "assert loaded == ['probes', 'probes._version', 'probes.schema'], loaded\n"
+        # probes.store_copy: the schema's stdlib half (the read guard and the snapshot), loaded by probes.schema
+        "assert loaded == ['probes', 'probes._version', 'probes.schema', 'probes.store_copy'], loaded\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
                        text=True, timeout=120, check=False)

@@ -18,6 +18,7 @@ from .. import figures, ids
 from ..components import finding_badges, kind_badge, message, severity_pill, table
 from ..config import AppConfig
 from ..poll import callback, reads_store
+from ..shown_text import clip
 
 MAX_ROWS = 500
 MAX_KEYS_SHOWN = 300
@@ -42,7 +43,7 @@ def distinct_texts(a: Any, b: Any, changed: bool = True) -> tuple[str, str]:
     """The two values of a summary row as text; two values that differ are shown with as many digits as it takes
     to tell them apart (a final loss of 1.3874 and 1.3901 read "1.39" and "1.39", highlighted as changed)."""
     def text(x: Any, digits: int) -> str:
-        return x if isinstance(x, str) else figures.fmt_num(x, digits)
+        return clip(x) if isinstance(x, str) else figures.fmt_num(x, digits)
     ta, tb = text(a, 3), text(b, 3)
     if changed and ta == tb and isinstance(a, float) and isinstance(b, float):
         for digits in range(4, 13):
@@ -71,7 +72,7 @@ def findings_block(cmp: dict[str, Any], labels: Sequence[str]) -> list[Any]:
     def items(fs: list[dict[str, Any]], cls: str) -> list[Any]:
         if not fs:
             return [message("none")]
-        return [html.Div([severity_pill(f["severity"], f["code"]), html.Span(display_path(f["path"]),
+        return [html.Div([severity_pill(f["severity"], f["code"]), html.Span(clip(display_path(f["path"])),
                                                                              className="mono path")],
                          className=f"cmp-finding {cls}") for f in fs[:MAX_ROWS]]
     return [
@@ -89,7 +90,7 @@ def keys_block(cmp: dict[str, Any], labels: Sequence[str]) -> list[Any]:
     def keylist(keys: list[str], sign: str, cls: str) -> list[Any]:
         if not keys:
             return [message("none")]
-        shown = [html.Div(f"{sign} {k}", className=f"mono key {cls}") for k in keys[:MAX_KEYS_SHOWN]]
+        shown = [html.Div(f"{sign} {clip(k)}", className=f"mono key {cls}") for k in keys[:MAX_KEYS_SHOWN]]
         if len(keys) > MAX_KEYS_SHOWN:
             shown.append(message(f"… {len(keys) - MAX_KEYS_SHOWN:,} more"))
         return shown
@@ -131,8 +132,8 @@ def modules_table(cmp: dict[str, Any], changed_only: bool, labels: Sequence[str]
         path = m["path_b"] if m["path_b"] is not None else m["path_a"]
         moved = m["path_a"] is not None and m["path_b"] is not None and m["path_a"] != m["path_b"]
         rows.append([
-            html.Td([html.Span(display_path(path), className="mono"),
-                     html.Div(f"was {m['path_a']}", className="muted mono") if moved else None,
+            html.Td([html.Span(clip(display_path(path)), className="mono"),
+                     html.Div(f"was {clip(m['path_a'])}", className="muted mono") if moved else None,
                      html.Div(f"only in {a}" if m["path_b"] is None else f"only in {b}", className="muted")
                      if m["path_a"] is None or m["path_b"] is None else None]),
             m["type"], _kind_pair(m["kind_a"], m["kind_b"]),

@@ -23,6 +23,7 @@ from probes.schema import Severity, TensorKind, code_label, display_path
 
 from ...read.run import Run, fold_causes, format_ranks
 from ...read.store import MAX_CHILDREN, MAX_SEARCH, REMOVED, Store
+from ...read.store_guard import valid_id
 from .. import figures, ids
 from ..components import (
     KIND_TITLES,
@@ -30,6 +31,7 @@ from ..components import (
     finding_badges,
     finding_card,
     kind_badge,
+    long_text,
     message,
     params_text,
     table,
@@ -37,8 +39,11 @@ from ..components import (
 )
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
+from ..shown_text import TITLE_MAX, clip, title
 
 MAX_VISIBLE_ROWS = 2000
+MAX_INDENT = 200           # levels of indentation drawn (a deeper node is drawn at this depth)
+LONG_PATH = 300            # characters of the module's path in its detail's title (all of it: "show all")
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
 DETAIL_HEAT_COLUMNS = 150
 # Charts wait laid out but invisible (not display:none, so plotly sizes them once, up front).
@@ -111,16 +116,18 @@ def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: 
     """Everything one tree row shows, as plain data (pure). A module no longer part of the model is of kind
     "removed" (its badge's title says since which step)."""
     gone = removed_title(m)
-    has_children = m["n_children"] > 0 and not show_path and gone is None
+    has_children = (m["n_children"] or 0) > 0 and not show_path and gone is None
     pill = subtree_pill(inside) if inside and has_children and not expanded else None
+    depth = min(m["depth"] or 0, MAX_INDENT)                  # unknown (a store from elsewhere): 0
     return {
-        "id": m["module_id"], "path": m["path"], "kind": REMOVED if gone else m["kind"],
-        "label": display_path(m["path"]) if show_path else (m["name"] or m["type"]),
-        "type": m["type"] if (m["path"] or show_path) else "",
+        # strings cut (a 1 MB path must not fill the row); the path, the row's tooltip, to TITLE_MAX
+        "id": m["module_id"], "path": clip(m["path"], TITLE_MAX), "kind": REMOVED if gone else clip(m["kind"]),
+        "label": clip(display_path(m["path"]) if show_path else (m["name"] or m["type"])),
+        "type": clip(m["type"]) if (m["path"] or show_path) else "",
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
-        "level": 1 if show_path else m["depth"] + 1,          # aria-level (a flat search result: 1)
-        "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
+        "level": 1 if show_path else depth + 1,          # aria-level (a flat search result: 1)
+        "indent": round(0.4 + (0 if show_path else depth) * 1.1, 2),
         "kind_title": gone or KIND_TITLES.get(m["kind"], ""),
         "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],
         "inside": pill,
@@ -201,10 +208,10 @@ def handle_click(store: Store, click: object, expanded: object, rank: int, view:
         raise PreventUpdate
     try:
         action = ids.ClickAction(click.get("action"))
-        mid = int(click.get("id"))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise PreventUpdate from None
-    if mid < 0:
+    mid = valid_id(click.get("id"))         # from the browser: anything (an id out of range, text) is no click
+    if mid is None:
         raise PreventUpdate
     if action is ids.ClickAction.TOGGLE:
         exp = expanded_ids(expanded, view)
@@ -235,21 +242,25 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
     weight) is named beside them."""
     shared = [p for p in params if p.get("primary") is False]
     shared_numel = sum(_int(p.get("numel")) for p in shared)
+    trainable, in_opt = m["params_trainable"], m["params_in_optimizer"]
+    path = display_path(m["path"])
     return [
-        html.Div([html.H2(display_path(m["path"]), className="mono"),
-                  html.Span(m["type"], className="detail-type", title=m.get("type_module") or ""),
+        html.Div([html.H2(clip(path, LONG_PATH), className="mono", title=title(path, LONG_PATH)),
+                  html.Span(clip(m["type"]), className="detail-type",
+                            title=clip(m.get("type_module") or "", TITLE_MAX)),
                   kind_badge(m["kind"]) if m.get("removed_step") is None
                   else html.Span(REMOVED, className=f"badge kind-{REMOVED}", title=removed_title(m)),
                   *finding_badges(own, m["kind"])], className="detail-title"),
+        long_text(path, "mono detail-full-path", limit=0) if len(path) > LONG_PATH else None,
         html.Div([
-            html.Span(f"{m['params_total']:,} parameters"),
-            html.Span(f"{m['params_trainable']:,} trainable"),
-            html.Span(f"{m['params_in_optimizer']:,} held by the optimizer",
-                      className="bad" if m["params_in_optimizer"] < m["params_trainable"] else ""),
+            html.Span(f"{_count(m['params_total'])} parameters"),
+            html.Span(f"{_count(trainable)} trainable"),
+            html.Span(f"{_count(in_opt)} held by the optimizer",
+                      className="bad" if _int(in_opt) < _int(trainable) else ""),
             html.Span(f"+ {shared_numel:,} shared with "
-                      + ", ".join(str(p["shared_with"][0]) for p in shared) + " (counted there)",
+                      + ", ".join(clip(p["shared_with"][0]) for p in shared) + " (counted there)",
                       title="tied: the same tensor under another name") if shared else None,
-            html.Span(f"{m['n_children']:,} children"),
+            html.Span(f"{_count(m['n_children'])} children"),
             html.Span(f"first seen at step {m['first_step']}") if m.get("first_step") is not None else None,
             html.Span(f"removed at step {m['removed_step']}", className="bad")
             if m.get("removed_step") is not None else None,
@@ -306,9 +317,16 @@ def _int(v: object) -> int:
     return v if isinstance(v, int) else 0
 
 
+def _count(v: object) -> str:
+    """A count as the detail says it: "1,234", or "unknown" (NULL, or a value of the wrong type in the store)."""
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else "unknown"
+
+
 def optimizer_text(p: Mapping[str, Any], several: bool) -> str:
     """Where the optimizer holds ``p``: "yes (group 0, lr 0.01)", naming the optimizer ("optimizer 1,
     group 0") when the run has more than one."""
+    if p["in_optimizer"] is None:
+        return "unknown"
     if not p["in_optimizer"]:
         return "no"
     where = [f"optimizer {p['opt_index']}"] if several and p.get("opt_index") is not None else []
@@ -331,10 +349,11 @@ def params_table(params: list[dict[str, Any]], optimizers: int = 1) -> html.Div:
         shared = (f" · same tensor as {others[0]}" if p.get("primary") is False
                   else f" · shared with {', '.join(others)}" if others else "")
         rows.append([
-            html.Td(p["name"], className="mono", title=p["path"]),
-            html.Td(p["kind"] + ("" if p["in_state_dict"] else " · not in state_dict") + shared,
+            html.Td(clip(p["name"]), className="mono", title=clip(p["path"], TITLE_MAX)),
+            html.Td(clip(p["kind"]) + ("" if p["in_state_dict"] else " · not in state_dict") + clip(shared),
                     className="bad" if p["kind"] == TensorKind.TENSOR else ""),
-            html.Td("×".join(str(s) for s in p["shape"]) if isinstance(p["shape"], list) else "uninitialised",
+            html.Td(clip("×".join(str(s) for s in p["shape"])) if isinstance(p["shape"], list)
+                    else "uninitialised" if p["shape"] is None else "unknown",
                     className="mono"),
             _yn(p["requires_grad"]),
             html.Td(opt, className="bad" if bad_opt else ""),
@@ -542,12 +561,12 @@ def register(app: Dash, config: AppConfig) -> None:
         if toggle_only and set(keys) == set(toggled(opened, None)):
             raise PreventUpdate
         run, rank = view_of(config, tick)
-        if (not isinstance(selected, dict) or selected.get("module_id") is None
-                or selected.get("run") != run.key or selected.get("rank") != rank):
+        chosen = selected if isinstance(selected, dict) else {}
+        mid = valid_id(chosen.get("module_id"))          # from the browser: anything but an id is no selection
+        if mid is None or chosen.get("run") != run.key or chosen.get("rank") != rank:
             if isinstance(state, dict):
                 return detail_cleared()
             raise PreventUpdate
-        mid = int(selected["module_id"])
         drawn = state if isinstance(state, dict) and state.get("module_id") == mid \
             and state.get("view") == [run.key, rank] else None              # this module's detail is on screen
         if drawn is not None and toggle_only:
@@ -564,11 +583,12 @@ def register(app: Dash, config: AppConfig) -> None:
     def render_heat(state: object, drawn: object) -> tuple[Any, Any]:
         """The histogram heat map follows the other charts (drawn after them, rebuilt - thinned to
         DETAIL_HEAT_COLUMNS - when the module got new samples; the same module's keeps its zoom)."""
-        if not isinstance(state, dict) or state.get("module_id") is None:
+        mid = valid_id(state.get("module_id")) if isinstance(state, dict) else None      # from the browser
+        view = state.get("view") if isinstance(state, dict) else None
+        if mid is None or not isinstance(view, list) or len(view) != 2 or valid_id(view[1]) is None:
             raise PreventUpdate
-        run_key, rank = state.get("view") or ["", 0]
+        run_key, rank = str(view[0]), int(view[1])
         run = source.run(run_key or None)
-        mid = int(state["module_id"])
         key = f"{run.key}-{rank}-{mid}"
         store = run.at(int(rank))
         hist = store.module_hist(int(rank), mid, max_cols=DETAIL_HEAT_COLUMNS)

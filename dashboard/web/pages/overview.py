@@ -15,9 +15,10 @@ from probes.schema import ModuleKind, Severity, display_path
 
 from ...read.store import RunState
 from .. import figures, ids
-from ..components import card, consequences_text, details_key, message, severity_pill, table
+from ..components import card, consequences_text, details_key, message, name_span, severity_of, severity_pill, table
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
+from ..shown_text import TITLE_MAX, clip
 
 TOP_FINDINGS = 6
 
@@ -55,9 +56,10 @@ def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[htm
     unreg = mods[ModuleKind.UNREGISTERED] + mods[ModuleKind.RUNTIME]
     dropped = ov["samples_dropped"]
     return [
-        card("Run", ov["run_name"], f"{ov.get('model_class') or '?'} · {status or ov.get('status') or 'unknown'}"
+        card("Run", name_span(ov["run_name"]), f"{clip(ov.get('model_class') or '?')} · "
+             f"{clip(status or ov.get('status') or 'unknown')}"
              + (f" · rank {ov['rank']} of {ov['world_size']}" if (ov.get("world_size") or 1) > 1 else "")
-             + (f" · run {ov['run_id']}" if ov.get("run_id") else ""), "wide"),
+             + (f" · run {clip(ov['run_id'])}" if ov.get("run_id") else ""), "wide"),
         card("Step", figures.fmt_num(ov.get("step")), plural(ov["steps_recorded"], "step") + " recorded"
              + (f" · updated {_when(ov['updated_at'])}" if ov.get("updated_at") else "")),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),
@@ -88,11 +90,12 @@ def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[htm
 
 def _sampling(s: object) -> str:
     if isinstance(s, dict):
-        if s.get("every"):
-            return f"every {plural(s['every'], 'step')}"
-        if s.get("overhead"):
-            return f"budget {s['overhead'] * 100:g}%"
-    return "–"
+        every, budget = s.get("every"), s.get("overhead")
+        if isinstance(every, int) and not isinstance(every, bool) and every > 0:
+            return f"every {plural(every, 'step')}"
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool) and 0 < budget <= 1:
+            return f"budget {budget * 100:g}%"
+    return "unknown" if s is not None else "–"
 
 
 def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[Any]:
@@ -104,19 +107,19 @@ def top_findings(items: list[dict[str, Any]], total: int | None = None) -> list[
     out: list[Any] = []
     for f in items[:TOP_FINDINGS]:
         n = len(f.get("consequences") or [])
-        path = display_path(f["path"])
+        path = clip(display_path(f["path"]))
         mid = f.get("module_id")
         parts = [severity_pill(f["severity"], f["code"]),
-                 html.Span(path, className="mono path", title=path),
+                 html.Span(path, className="mono path", title=clip(display_path(f["path"]), TITLE_MAX)),
                  html.Span(f"+ {consequences_text(n)}", className="muted small") if n else None]
-        cls = f"top-finding sev-border-{f['severity']}"
+        cls = f"top-finding sev-border-{severity_of(f['severity']).value}"
         if mid is None:       # nothing to open
             out.append(html.Div(parts, className=cls, title=path))
             continue
-        label = f"{f['code']} at {path}" + (f", {consequences_text(n)}" if n else "") + ": show this module"
+        name = f"{clip(f['code'])} at {path}" + (f", {consequences_text(n)}" if n else "") + ": show this module"
         out.append(html.Button(parts, className=f"{cls} clickable", title=f"show module {path}",
                                **{"data-focus-key": details_key("top", f)},
-                               **ids.button_attrs(ids.ClickAction.OPEN, int(mid), label)))
+                               **ids.button_attrs(ids.ClickAction.OPEN, int(mid), name)))
     total = len(items) if total is None else total
     if total > TOP_FINDINGS:
         out.append(dcc.Link(f"all {total:,} root causes →", href="/findings", className="more"))
@@ -138,7 +141,7 @@ def rank_table(rows: list[dict[str, Any]]) -> html.Div | None:
             r["samples_stored"],
             html.Td(figures.fmt_num(r["samples_dropped"]), className="num bad" if r["samples_dropped"] else "num"),
             html.Td(figures.fmt_num(r["write_errors"]), className="num bad" if r["write_errors"] else "num"),
-            html.Td(r.get("hostname") or "–", className="mono"),
+            html.Td(clip(r.get("hostname") or "–"), className="mono"),
             html.Td(r["status_text"], className="bad" if bad else ""),
         ])
     return html.Div([html.H3(f"Ranks ({len(rows)})"), table(
