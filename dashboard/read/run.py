@@ -29,6 +29,7 @@ from typing import Any
 from probes.schema import LEGACY_STORE_FILENAME, STORE_SUFFIX, RunStatus, parse_store_filename
 
 from . import crossrank
+from .compare import compare_stores
 from .crossrank import format_ranks
 from .shown_text import clip
 from .store import (
@@ -41,7 +42,6 @@ from .store import (
     StoreError,
     StoreNotReadyError,
     WriteTrouble,
-    compare_stores,
     fold_causes,
     in_wal_mode,
     last_modified,

@@ -16,9 +16,9 @@ from dash import html
 from probes.schema import FindingCode, ModuleKind, Severity, code_label, display_path
 
 from ..read.crossrank import format_ranks
+from ..read.shown_text import FULL_MAX, LABEL_MAX, TEXT_MAX, clip, title
 from . import ids
 from .figures import fmt_count, fmt_num
-from .shown_text import FULL_MAX, LABEL_MAX, TEXT_MAX, clip, title
 
 KEY_MAX = 400             # characters of a finding's code and path in the keys of its <details> (details_key)
 PATH_MAX = 300            # characters of a finding's path on its card (all of them, to TITLE_MAX, in its tooltip)

@@ -21,8 +21,8 @@ from pathlib import Path
 from flask import Flask, Response, abort, send_file
 
 from ..read.run import Run
+from ..read.shown_text import file_part
 from ..read.store import snapshot_to
-from .shown_text import file_part
 
 ROUTE = "/_modscope/download"
 TTL_S = 600.0                 # a snapshot not fetched within this long is deleted

@@ -25,9 +25,9 @@ from dash import Dash, html
 from dash.exceptions import PreventUpdate
 
 from ..read.run import NEWEST, Run, RunInfo, format_ranks, others_note
+from ..read.shown_text import TEXT_MAX, clip
 from ..read.store import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .config import AppConfig, Mode
-from .shown_text import TEXT_MAX, clip
 
 __all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "read_tick", "reads_store", "status_text",
            "view_of"]

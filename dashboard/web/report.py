@@ -22,10 +22,10 @@ from probes.schema import ModuleKind, Severity, display_path
 
 from ..paths import assets_dir
 from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note
+from ..read.shown_text import FULL_MAX, TEXT_MAX, clip, title
 from ..read.store import REMOVED, Store, status_text
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
-from .shown_text import FULL_MAX, TEXT_MAX, clip, title
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8

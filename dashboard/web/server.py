@@ -16,6 +16,7 @@ from probes.schema import Severity
 
 from ..paths import assets_dir
 from ..read.run import NEWEST, fold_causes, root_counts
+from ..read.shown_text import file_part
 from ..read.store import StoreError
 from . import ids, security
 from .config import AppConfig, Mode
@@ -34,7 +35,6 @@ from .poll import (
     view_of,
 )
 from .report import build_report
-from .shown_text import file_part
 
 __all__ = ["AppConfig", "Mode", "create_app"]
 

@@ -19,12 +19,12 @@ from hostile_stores import HOSTILE, generated_path, long_finding_paths, long_run
 from bench import synth_store
 from dashboard.read import store_guard
 from dashboard.read.run import RunDir
+from dashboard.read.shown_text import LABEL_MAX, TITLE_MAX, file_part
 from dashboard.read.store import Store, StoreError
 from dashboard.web.components import finding_card
 from dashboard.web.pages import modules
 from dashboard.web.report import build_report
 from dashboard.web.server import AppConfig, create_app
-from dashboard.web.shown_text import LABEL_MAX, TITLE_MAX, file_part
 from probes import schema
 
 REPO = Path(__file__).resolve().parents[2]

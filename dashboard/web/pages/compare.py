@@ -14,11 +14,11 @@ from dash import Dash, Input, Output, dcc, html
 from probes.schema import display_path
 
 from ...read.run import compare_runs
+from ...read.shown_text import clip
 from .. import figures, ids
 from ..components import finding_badges, kind_badge, message, severity_pill, table
 from ..config import AppConfig
 from ..poll import callback, reads_store
-from ..shown_text import clip
 
 MAX_ROWS = 500
 MAX_KEYS_SHOWN = 300

@@ -22,6 +22,7 @@ from dash.exceptions import PreventUpdate
 from probes.schema import Severity, TensorKind, code_label, display_path
 
 from ...read.run import Run, fold_causes, format_ranks
+from ...read.shown_text import TITLE_MAX, clip, title
 from ...read.store import MAX_CHILDREN, MAX_SEARCH, REMOVED, Store
 from ...read.store_guard import valid_id
 from .. import figures, ids
@@ -39,7 +40,6 @@ from ..components import (
 )
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
-from ..shown_text import TITLE_MAX, clip, title
 
 MAX_VISIBLE_ROWS = 2000
 MAX_INDENT = 200           # levels of indentation drawn (a deeper node is drawn at this depth)

@@ -13,12 +13,12 @@ from dash.exceptions import PreventUpdate
 
 from probes.schema import ModuleKind, Severity, display_path
 
+from ...read.shown_text import TITLE_MAX, clip
 from ...read.store import RunState
 from .. import figures, ids
 from ..components import card, consequences_text, details_key, message, name_span, severity_of, severity_pill, table
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
-from ..shown_text import TITLE_MAX, clip
 
 TOP_FINDINGS = 6
 
