@@ -21,34 +21,30 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from probes.schema import LEGACY_STORE_FILENAME, STORE_SUFFIX, RunStatus, parse_store_filename
+from probes.schema import RunStatus
 
 from . import crossrank
 from .compare import compare_stores
 from .crossrank import format_ranks
-from .shown_text import clip
+from .run_scan import FILE_KEY, MAX_RUNS, RunEntry, scan_runs
+from .run_state import RunHealth, RunInfo, finding_order, merge_findings, or_default, others_note, run_status
 from .store import (
     MAX_FINDINGS,
     Heartbeat,
     Liveness,
     Row,
-    RunState,
     Store,
     StoreError,
     StoreNotReadyError,
-    WriteTrouble,
     fold_causes,
     in_wal_mode,
-    last_modified,
     liveness,
     process_alive,
     root_counts,
-    severity_rank,
     snapshot_bytes,
     snapshot_liveness,
     snapshot_with_step,
@@ -56,181 +52,41 @@ from .store import (
     writer_present,
 )
 
-__all__ = ["NEWEST", "Run", "RunDir", "RunEntry", "RunHealth", "RunInfo", "compare_runs", "fold_causes",
-           "format_ranks", "merge_findings", "root_counts", "scan_runs"]
+__all__ = ["NEWEST", "Run", "RunDir", "RunEntry", "RunHealth", "RunInfo", "as_run_dir", "compare_runs", "fold_causes",
+           "format_ranks", "merge_findings", "others_note", "root_counts", "scan_runs"]
 
 NEWEST = "@newest"              # the run selector's "follow the newest run" (never a run id: those start alnum)
-FILE_KEY = "@file:"             # the key of a run read from one file that its name does not name a run
-MAX_RUNS = 50                   # runs of a directory listed (the newest)
 MAX_RANK_COLUMNS = 16           # ranks side by side in the module detail
 CROSSRANK_INTERVAL_S = 2.0      # the cross-rank comparison runs again at most this often while a run is written
 
 
 # -- the files of a directory ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunEntry:
-    """One run as the directory listing sees it (no file opened)."""
-
-    key: str                                 # the run id, or FILE_KEY + file name
-    run_id: str | None                       # from the file names (None for a version-1 store or a snapshot)
-    files: tuple[Path, ...]                  # per-rank files in rank order; or the one file
-    file_ranks: tuple[int | None, ...]       # the rank each file's name says (None: a file of any ranks)
-    mtime: float                             # the newest modification of its files (-wal and -journal included)
 
 
-def _mtime(path: Path) -> float:
-    return last_modified(path)
 
 
-def _file_entry(path: Path) -> RunEntry:
-    name = parse_store_filename(path.name)
-    if name is not None:
-        return RunEntry(name.run_id, name.run_id, (path,), (name.rank,), _mtime(path))
-    return RunEntry(FILE_KEY + path.name, None, (path,), (None,), _mtime(path))
 
 
-def scan_runs(target: str | os.PathLike[str], limit: int = MAX_RUNS) -> list[RunEntry]:
-    """The runs at ``target``, newest first (the largest modification time of a run's files; a tie goes
-    to the larger run id): every run id of the per-rank stores of a directory and its version-1
-    ``modscope.sqlite``; or the one store file named. No file is opened."""
-    p = Path(target)
-    if not p.is_dir():
-        if p.suffix != STORE_SUFFIX and not p.is_file():
-            return []                           # a run directory that does not exist yet
-        return [_file_entry(p)]
-    by_run: dict[str, list[tuple[int, Path]]] = {}
-    legacy: RunEntry | None = None
-    try:
-        listing = list(os.scandir(p))
-    except OSError:
-        return []
-    for entry in listing:
-        if entry.name == LEGACY_STORE_FILENAME:
-            try:
-                if entry.is_file():
-                    legacy = _file_entry(Path(entry.path))
-            except OSError:
-                pass
-            continue
-        name = parse_store_filename(entry.name)
-        if name is None:
-            continue
-        try:
-            if not entry.is_file():
-                continue
-        except OSError:
-            continue
-        by_run.setdefault(name.run_id, []).append((name.rank, Path(entry.path)))
-    out = []
-    for run_id, files in by_run.items():
-        files.sort()
-        paths = tuple(f for _, f in files)
-        out.append(RunEntry(run_id, run_id, paths, tuple(r for r, _ in files), max(_mtime(f) for f in paths)))
-    if legacy is not None:
-        out.append(legacy)
-    out.sort(key=lambda e: (e.mtime, e.run_id or ""), reverse=True)
-    return out[:limit]
 
 
 # -- findings across ranks ---------------------------------------------------------------------------------
-def merge_findings(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[Row]:
-    """One entry per (code, path) over the ranks: ``ranks`` that report it, the worst severity, the
-    first and last step over the ranks, ``count`` summed, active on any rank; message, fix, evidence and
-    cause from the lowest rank that reports it; ``module_ids``: each rank's module id."""
-    out: dict[tuple[str, str], Row] = {}
-    for rank in sorted(per_rank):
-        for f in per_rank[rank]:
-            key = (str(f["code"]), str(f["path"]))
-            have = out.get(key)
-            if have is None:
-                row = dict(f)
-                row.update(ranks=[rank], module_ids={rank: f.get("module_id")}, count=int(f.get("count") or 1),
-                           active=int(f.get("active", 1) or 0))
-                out[key] = row
-                continue
-            have["ranks"].append(rank)
-            have["module_ids"][rank] = f.get("module_id")
-            if severity_rank(f["severity"]) < severity_rank(have["severity"]):
-                have["severity"] = f["severity"]
-            have["first_step"] = _pick(min, have.get("first_step"), f.get("first_step"))
-            have["last_step"] = _pick(max, have.get("last_step"), f.get("last_step"))
-            have["count"] += int(f.get("count") or 1)
-            have["active"] = max(have["active"], int(f.get("active", 1) or 0))
-            if not have.get("cause_code") and f.get("cause_code"):
-                have["cause_code"], have["cause_path"] = f["cause_code"], f.get("cause_path")
-    return sorted(out.values(), key=finding_order)
 
 
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
-def _pick(fn: Any, a: Any, b: Any) -> Any:
-    values = [v for v in (a, b) if v is not None]
-    return fn(values) if values else None
 
 
-def finding_order(f: Mapping[str, Any]) -> tuple[int, int, str, str]:
-    """Worst first, active before resolved, then by path and code."""
-    return severity_rank(f["severity"]), -int(f.get("active", 1) or 0), str(f["path"]), str(f["code"])
 
 
 # -- plain results ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunInfo:
-    """One line of the run selector."""
-
-    key: str
-    run_id: str | None
-    name: str | None
-    started_at: float | None
-    ranks: tuple[int, ...]
-    status: str
-
-    def label(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at)) if self.started_at else "?"
-        ident = self.run_id or self.key.removeprefix(FILE_KEY)
-        ranks = format_ranks(self.ranks) if self.ranks else "no rank"
-        name = f" · {clip(self.name)}" if self.name and self.name != ident else ""     # a name can be long
-        return f"{ident}{name} · {when} · {ranks} · {self.status}"
 
 
-@dataclass(frozen=True)
-class RunHealth:
-    """What one poll knows about a run's writers: each rank's state, failed commits, and warnings
-    (an unreadable rank file; a store in WAL mode written from another host)."""
-
-    states: dict[int, Liveness]
-    troubles: list[tuple[int, WriteTrouble]]
-    warnings: list[str]
 
 
-def state_word(life: Liveness) -> str:
-    """The state without its duration ('stalled', 'ended without close'), to group ranks by."""
-    return str(life.state)
 
 
-def others_note(states: Mapping[int, Liveness], view: int) -> str:
-    """Ranks other than ``view`` whose writer stalled or ended: 'rank 1 ended without close' ..."""
-    groups: dict[str, list[int]] = {}
-    for rank, life in sorted(states.items()):
-        if rank != view and life.state in (RunState.STALLED, RunState.ENDED):
-            groups.setdefault(state_word(life), []).append(rank)
-    return "; ".join(f"{format_ranks(ranks)} {word}" for word, ranks in groups.items())
 
 
-def run_status(states: Mapping[int, Liveness]) -> str:
-    """A run's status over its ranks: 'closed' when every rank closed, 'running' while one runs (with
-    the ranks that stalled or ended), else the ranks' states."""
-    if not states:
-        return "no rank yet"
-    words = {r: state_word(life) for r, life in states.items()}
-    if all(w == RunState.CLOSED for w in words.values()):
-        return "closed"
-    bad = others_note(states, -1)
-    if any(life.state is RunState.RUNNING for life in states.values()):
-        return "running" + (f" ({bad})" if bad else "")
-    return bad or ", ".join(sorted(set(words.values())))
 
 
 # -- one run ---------------------------------------------------------------------------------------------
@@ -404,7 +260,7 @@ class Run:
         """What live polling compares: the view rank's own signature, every rank's findings and progress."""
         route = self.stores()
         findings = tuple(x for r, s in route.items() for x in s.findings_signature(r))
-        progress = tuple(x for r, s in route.items() if r != rank for x in (r, _or(s.last_step(r), -1)))
+        progress = tuple(x for r, s in route.items() if r != rank for x in (r, or_default(s.last_step(r), -1)))
         return route[rank].change_signature(rank), findings, progress
 
     def rank_rows(self, now: float | None = None) -> list[Row]:
