@@ -22,11 +22,11 @@ from torch import nn
 import probes
 from bench import synth_store
 from dashboard.read import store as data_module
+from dashboard.read.compare import compare_stores
 from dashboard.read.run import RunDir, fold_causes, root_counts
 from dashboard.read.store import (
     RunState,
     Store,
-    compare_stores,
     in_wal_mode,
     last_modified,
     resolve_store_path,
@@ -37,7 +37,7 @@ from dashboard.web.pages import modules as modules_page
 from dashboard.web.pages import overview as overview_page
 from dashboard.web.report import build_report
 from probes import schema
-from probes.store.writer import rundir
+from probes.store import rundir
 from tests.probes import zoo
 
 STEPS = 12

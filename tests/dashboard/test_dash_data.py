@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from bench import synth_store
+from dashboard.read.compare import compare_stores
+from dashboard.read.liveness import STALL_MIN_S
 from dashboard.read.store import (
-    STALL_MIN_S,
     Heartbeat,
     QueryTimeoutError,
     RunState,
     Store,
     StoreError,
     StoreNotReadyError,
-    compare_stores,
     liveness,
     process_alive,
     resolve_store_path,
