@@ -1,7 +1,7 @@
 """The Watcher: the public handle of a watched model. It owns step boundaries, the deferred reads of
-sampled steps, losses and counters; the hooks are :mod:`probes.capture`'s, the model is known through
-:mod:`probes.model_index`, samples are decoded by :mod:`probes.decode` and findings are tracked by
-:mod:`probes.tracker`.
+sampled steps, losses and counters; the hooks are :mod:`probes.capture.step`'s, the model is known through
+:mod:`probes.model.index`, samples are decoded by :mod:`probes.capture.decode` and findings are tracked by
+:mod:`probes.findings.tracker`.
 
 Optimizer step hooks mark step boundaries and stay for the whole run (they are not module hooks, so
 modules keep PyTorch's no-hook fast path on unsampled steps).
@@ -26,24 +26,29 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import measure, records
-from .capture import StepCapture, StepRecord, release_outputs
-from .dense import DenseRide, DenseSeries
-from .evaluation import Evaluator
-from .findings import Finding
-from .guard import ProbeRuntime
-from .hooks import HeldHook
-from .losses import LossRecorder
-from .model_index import IdRegistry, ModelIndex, Presence, build_index, model_signature
-from .records import Op
-from .rundir import RunFiles, interval_channel
-from .runtime_modules import RuntimeModules
-from .sampling import SamplingPolicy
+from .capture import measure
+from .capture.closures import ClosureSteps, StepArgs, optimizer_position
+from .capture.guard import ProbeRuntime
+from .capture.hooks import HeldHook
+from .capture.losses import LossRecorder
+from .capture.rank_clock import RankClock
+from .capture.replicas import close_values
+from .capture.sampling import SamplingPolicy
+from .capture.sentinels import RootSentinel
+from .capture.step import StepCapture, StepRecord, release_outputs
+from .capture.tiers import StepTiers
+from .findings.evaluation import Evaluator
+from .findings.finding import Finding
+from .findings.structural import structural_findings
+from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
+from .model.runtime import RuntimeModules
+from .model.structure import ModuleNode, compiled_modules, model_device, unwrap
+from .model.tensors import reads_free
 from .schema import RunStatus, StrEnum, display_path
-from .sentinels import RootSentinel
-from .session import StoreSession
-from .structural import structural_findings
-from .structure import ModuleNode, compiled_modules, model_device, unwrap
+from .store import records
+from .store.records import Op
+from .store.rundir import RunFiles, interval_channel
+from .store.session import StoreSession
 
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
@@ -58,7 +63,6 @@ class UnreadSample:
     fetch: measure.PendingFetch
     loss_slots: list[tuple[int, int]]     # (step, slot) of the losses read with it
     started: int                          # the step counter when the copy started
-    dense: DenseRide | None = None        # the dense tier's values read with it
 
 
 class Boundaries(StrEnum):
@@ -74,9 +78,8 @@ class Watcher:
     """Created by :func:`probes.watch`. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
-                 run_id: str, every: int | None, overhead: float | None, window: int, rank: int,
-                 world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER,
-                 dense: bool | int = True) -> None:
+                 run_id: str, every: int | None, overhead: float | None, window: int, dense: bool | int = True,
+                 rank: int, world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER) -> None:
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
         self.run_id = run_id
@@ -91,7 +94,7 @@ class Watcher:
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
         self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0,
-                                      dense=dense, host_timed=measure.reads_free(torch.device(model_device(model))))
+                                      dense=dense, host_timed=reads_free(torch.device(model_device(model))))
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._presence = Presence()                   # what the store holds as the model now, and what left it
@@ -99,6 +102,10 @@ class Watcher:
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
+        # this rank's own time per step (rank-straggler): only in a job of several processes
+        self._clock = RankClock(self._probe) if world_size > 1 else None
+        self._closures = ClosureSteps(self._gradients_final, self._clock)
+        self.loss_source: Callable[[], Any] | None = None   # the step's loss when nothing records one (zero-code)
         self._stepped: set[int] = set()
         self._sample_index = 0
         self._unread: UnreadSample | None = None
@@ -109,14 +116,14 @@ class Watcher:
         self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
                                    model_class=f"{type(user_model).__module__}.{type(user_model).__qualname__}",
                                    device=model_device(model),
-                                   sampling={"every": every, "overhead": overhead, "window": window,
-                                             "dense": dense})
+                                   sampling={"every": every, "overhead": overhead, "window": window, "dense": dense})
         self._writer = self._store.writer
         self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
-        self._dense = DenseSeries(rank, self._writer.submit, self._store.series_taken)
-        self._next_sample: int | None = None          # as last written to the store
+        self._tiers = StepTiers(self._policy, self._probe, rank, self._writer.submit, self._store.series_taken)
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
+        if self._clock is not None:
+            self._clock.attach(model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._on_opt_pre, oi))))
             self._opt_handles.append(opt.register_step_post_hook(HeldHook(functools.partial(self._on_opt_post, oi))))
@@ -126,11 +133,8 @@ class Watcher:
         # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
         from .notebook import on_cell_end
         self._cell_end = on_cell_end(_gc_resumer(self))
-        if self._policy.should_sample(0):
+        if self._tiers.begin(0):
             self._capture.arm(self._index)
-        else:
-            self._dense.arm(self._policy.dense_due(0))
-        self._write_next_sample(self._policy.next_sample(0))
 
     # ===================================================================== public API
     @property
@@ -154,18 +158,23 @@ class Watcher:
                 self._losses.record(self._probe.step, loss)
             self._end_step()
 
-    def begin_optimizer_step(self, optimizer_index: int = 0) -> None:
-        """(Integrations, ``boundaries="external"``.) The gradients of watched optimizer ``optimizer_index``
-        are final for this step: after accumulation, unscaling and clipping."""
-        if self._closed:
+    def begin_optimizer_step(self, optimizer: int | torch.optim.Optimizer = 0) -> None:
+        """The gradients of a watched optimizer (the optimizer or its index) are final for this step: integrations
+        call it (``boundaries="external"``), a closure may (:func:`probes.begin_optimizer_step`). Only a step's first
+        call counts; one before the closure of the ``step()`` in progress ran waits for its first evaluation."""
+        index = optimizer_position(self._optimizers, optimizer)
+        if index is None:
+            raise ValueError(f"optimizer {optimizer!r:.80} is not watched by {self!r}")
+        if self._closed or self._closures.defers(index):
             return
-        if self._capture.record is None:
-            if self._dense.armed:
-                with self._probe.guard("dense"):
-                    self._dense.take_optimizer(self._probe.step, self._index, optimizer_index)
+        self._gradients_final(index)
+
+    def _gradients_final(self, index: int, where: str = "optimizer-begin") -> None:
+        if self._closed or self._capture.record is None:
+            self._tiers.take_optimizer(self._probe.step, self._index, index)      # on a dense step
             return
-        with self._probe.guard("optimizer-begin"):
-            self._capture.before_optimizer_step(optimizer_index, self._optimizers[optimizer_index])
+        with self._probe.guard(where):
+            self._capture.before_optimizer_step(index, self._optimizers[index])
 
     def end_step(self, loss: Any = None) -> None:
         """(Integrations, ``boundaries="external"``.) The training step is over (its optimizer steps done,
@@ -209,8 +218,7 @@ class Watcher:
             if threading.get_ident() == self._thread:
                 self._complete_unread(force=True)
                 self._preview_step()
-                with self._probe.guard("dense"):
-                    self._dense.flush()
+                self._tiers.flush()
             self._losses.flush()
             self._write_counters()
             self._writer.flush()
@@ -239,16 +247,18 @@ class Watcher:
                 h.remove()
             self._opt_handles.clear()
             self._losses.flush()
-            with self._probe.guard("dense"):
-                self._dense.close()
+            self._tiers.close()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
                 self._publish(self._probe.step, sampled=False)
             self._sentinel.detach()
+            if self._clock is not None:
+                self._clock.detach()
+                with self._probe.guard("close-fingerprints"):    # replicas compare these however rarely they sampled
+                    self._writer.submit([records.close_values_op(self.rank, close_values(self._index))], False)
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
-            self._write_next_sample(None)
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
         finally:
             self._store.close()
@@ -332,23 +342,23 @@ class Watcher:
             self._index = self._rebuild(model)
 
     # ===================================================================== optimizer steps
-    def _on_opt_pre(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed or self._external:    # an integration says when the gradients are final
-            return
-        if opt_index in self._stepped:          # this optimizer steps again: a new step began
+    def _on_opt_pre(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> StepArgs | None:
+        if self._closed:
+            return None
+        if not self._external and opt_index in self._stepped:     # this optimizer steps again: a new step began
             with self._probe.guard("step-boundary"):
                 self._end_step()
-        if self._capture.record is None:
-            if self._dense.armed:
-                with self._probe.guard("dense"):
-                    self._dense.take_optimizer(self._probe.step, self._index, opt_index)
-            return
-        with self._probe.guard("optimizer-pre-hook"):
-            self._capture.before_optimizer_step(opt_index, optimizer)
+        wrapped, taking = None, self._capture.record is not None or self._tiers.armed   # a full sample, a dense step
+        with self._probe.guard("optimizer-closure"):          # a closure says when its gradients are final
+            wrapped = self._closures.step_begins(opt_index, args, kwargs, taking)
+        if wrapped is None and not self._external:             # no closure: final now (external: the integration says)
+            self._gradients_final(opt_index, "optimizer-pre-hook")
+        return wrapped
 
     def _on_opt_post(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return
+        self._closures.step_ends(opt_index)
         with self._probe.guard("optimizer-post-hook"):
             self._capture.after_optimizer_step(opt_index)
         if self._external:
@@ -363,6 +373,9 @@ class Watcher:
         t_end = time.perf_counter()
         step = self._probe.step
         sampled = self._capture.record is not None
+        compute_ms = self._clock.own_ms((t_end - self._probe.step_t0) * 1e3) if self._clock is not None else None
+        with self._probe.guard("loss-source"):
+            self._losses.record_from(step, self.loss_source)
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
@@ -372,11 +385,7 @@ class Watcher:
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
-        dense_ms = None
-        with self._probe.guard("dense"):
-            if self._dense.armed and not self._optimizers:
-                self._dense.take_all(step, self._index)
-            dense_ms = self._dense.end_step(step)
+        dense_ms = self._tiers.end_step(step, self._index, bool(self._optimizers))
         t_done = time.perf_counter()
         # the step's wall time as training sees it, finishing work included (the budget compares sampled
         # with unsampled steps); the probe's own time: hooks during the step plus finishing
@@ -386,33 +395,28 @@ class Watcher:
             with self._probe.guard("step-sentinels"):
                 self._publish(step, sampled=False)
         self._policy.observe(step, step_ms, probe_ms, sampled, dense_ms)
-        self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
+        self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled, compute_ms)])
         if sampled or self._store.counters_due(self._probe.errors):
             self._write_counters(last_step=step)
         self._stepped.clear()
         self._capture.detach()
         self._probe.gc.resume()                     # after the step's records became garbage, not before
         self._probe.start_step(step + 1)
-        if self._policy.should_sample(step + 1):
+        if self._tiers.begin(step + 1):
             self._capture.arm(self._index)
-            self._dense.arm(False)
-        else:
-            self._dense.arm(self._policy.dense_due(step + 1))
-        self._write_next_sample(self._policy.next_sample(step + 1))
         self._probe.step_t0 = time.perf_counter()
 
     def _finish_sample(self, step: int) -> None:
         rec = self._capture.finish()
         loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
-        dense = self._dense.ride(rec.measurements)
-        fetch = rec.measurements.start_fetch()      # the one host copy of this step
+        fetch = self._tiers.start_fetch(rec.measurements)      # the one host copy of this step
         release_outputs(rec)
         self._capture.learn_in_place(rec.measurements.changed_keys)
         if fetch.deferred:
             # non-blocking on an accelerator: read at a later step boundary, once it has landed
-            self._unread = UnreadSample(step, rec, fetch, loss_slots, self._probe.step, dense)
+            self._unread = UnreadSample(step, rec, fetch, loss_slots, self._probe.step)
         else:
-            self._read_sample(step, rec, fetch, loss_slots, dense)
+            self._read_sample(step, rec, fetch, loss_slots)
 
     def _complete_unread(self, force: bool) -> None:
         """Read a deferred sample's copy when it has landed (or now, with ``force``)."""
@@ -421,23 +425,22 @@ class Watcher:
             return
         self._unread = None
         with self._probe.guard("finish-sample"):
-            self._read_sample(u.step, u.record, u.fetch, u.loss_slots, u.dense)
+            self._read_sample(u.step, u.record, u.fetch, u.loss_slots)
 
     def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
-                     loss_slots: list[tuple[int, int]], dense: DenseRide | None = None) -> None:
-        values = fetch.read(self._activity, self._sample_index)
+                     loss_slots: list[tuple[int, int]]) -> None:
+        values = self._tiers.read(fetch, self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
-        self._dense.read_ride(dense, values)
         self._sample_index += 1
         self._store.sampled(step)
         decoded, ops = self._evaluator.decode(step, rec, values, rec.index or self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
-        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.findings(),
+        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.sightings(),
                                                      bool(self._optimizers)), droppable=False)
 
     def _publish(self, step: int, sampled: bool) -> None:
-        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.findings(), sampled),
+        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.sightings(), sampled),
                             droppable=False)
 
     def _observe_forwards(self, step: int) -> None:
@@ -451,7 +454,7 @@ class Watcher:
         """Evaluate the step in progress (findings(), snapshot()) without ending it."""
         with self._probe.guard("preview"):
             ops = self._evaluator.preview(self._probe.step, dataclasses.replace(self._sentinel.log),
-                                          self._mode_sensitive(), self._index, self._runtime.findings())
+                                          self._mode_sensitive(), self._index, self._runtime.sightings())
             if ops:
                 self._writer.submit(ops, droppable=False)
 
@@ -463,20 +466,13 @@ class Watcher:
         self._store.write_counters(max(step, 0), self._probe.errors, self._policy.overhead(), self._lost_writes,
                                    status, closed_at)
 
-    def _write_next_sample(self, step: int | None) -> None:
-        """``ranks.next_sample``, whenever the schedule moves it."""
-        if step != self._next_sample:
-            self._next_sample = step
-            self._writer.submit([records.next_sample_op(self.rank, step)], droppable=False)
-
     def _lost_writes(self) -> list[Op]:
         """What failed commits may have held, written again once commits succeed: the tree, the findings."""
         s, step = self._index.structure, self._probe.step
-        return [records.next_sample_op(self.rank, self._next_sample),
-                *records.structure_ops(self.rank, s.modules, s.tensors, step),
+        return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
-                *self._evaluator.tracker.rewrite_ops(step)]
+                *self._evaluator.tracker.rewrite_ops(step), self._tiers.next_sample_op()]
 
 
 class FindingList(list[Finding]):

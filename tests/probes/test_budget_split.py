@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from probes.sampling import MAX_INTERVAL, START_STEPS, SamplingPolicy, Schedule
+from probes.capture.sampling import MAX_INTERVAL, START_STEPS, SamplingPolicy, Schedule
 
 
 def run(policy, steps, plain_ms=100.0, full_ms=10.0, dense_ms=1.0, first_full_ms=None):

@@ -1,6 +1,7 @@
 """The dense tier in real training loops, read back from the real store: every tensor's gradient and weight norm on
 the steps between full samples (``param_series``), a full sample's own in ``param_stats``; the union is each
 tensor's series."""
+import functools
 import math
 import sqlite3
 
@@ -11,8 +12,8 @@ from torch import nn
 
 import probes
 from bench.models import TanhMLP
-from probes import session as session_mod
 from probes.integrations import WatchOptions
+from probes.store import session as session_mod
 
 
 def series(store, column="grad_norm"):
@@ -247,14 +248,46 @@ def test_long_runs_thin_the_dense_series(run_dir, monkeypatch):
     assert per_step == {2}                                 # a kept step keeps every tensor
 
 
+@pytest.mark.parametrize("make_optimizer", [lambda params: torch.optim.SGD(params, lr=0.05),
+                                            lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3)],
+                         ids=["sgd", "lbfgs"])
+def test_a_closure_optimizers_norms_are_those_of_its_first_evaluation(run_dir, make_optimizer):
+    """``optimizer.step(closure)``: the gradients are final after the closure's first evaluation, inside step(), not
+    at its pre-hook (the previous step's gradients then): the dense tier's norms are the first evaluation's."""
+    model = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10))
+    opt = make_optimizer(model.parameters())
+    batch = batches()
+    grads, weights = {}, {}
+
+    def closure(step, x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if step not in grads:                     # LBFGS evaluates it again in its line search
+            grads[step] = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+            weights[step] = {n: float(p.detach().norm()) for n, p in model.named_parameters()}
+        return loss
+
+    with probes.watch(model, opt, run_dir=run_dir, every=4) as w:
+        for step in range(12):
+            x, y = batch()
+            w.step(opt.step(functools.partial(closure, step, x, y)))
+    stored, dense_steps, _ = series(w.store_path)
+    assert dense_steps == set(range(12)) - {0, 4, 8}
+    assert_matches(stored, grads)
+    assert_matches(series(w.store_path, "data_norm")[0], weights)
+
+
 @pytest.fixture
 def accelerator_reads(monkeypatch):
     """The accelerator's path on CPU tensors (see test_host_reads.py), with a counter of the probes' host reads made
     outside the reading of a host copy (a full sample's, or one the dense tier started for its own values)."""
     from test_host_reads import HostReads
 
-    from probes import dense, measure, watcher
-    monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
+    from probes import watcher
+    from probes.capture import dense, measure
+    from probes.model import tensors
+    monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
     monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     counter = HostReads()
     copies = []                                   # (the step its copy started at, the step it is read at)
