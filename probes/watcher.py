@@ -30,12 +30,14 @@ from .capture import measure
 from .capture.closures import ClosureSteps, StepArgs, optimizer_position
 from .capture.guard import ProbeRuntime
 from .capture.hooks import HeldHook
+from .capture.host_values import PendingFetch
 from .capture.losses import LossRecorder
 from .capture.rank_clock import RankClock
+from .capture.record import StepRecord, release_outputs
 from .capture.replicas import close_values
 from .capture.sampling import SamplingPolicy
 from .capture.sentinels import RootSentinel
-from .capture.step import StepCapture, StepRecord, release_outputs
+from .capture.step import StepCapture
 from .capture.tiers import StepTiers
 from .findings.evaluation import Evaluator
 from .findings.finding import Finding
@@ -60,7 +62,7 @@ class UnreadSample:
 
     step: int
     record: StepRecord
-    fetch: measure.PendingFetch
+    fetch: PendingFetch
     loss_slots: list[tuple[int, int]]     # (step, slot) of the losses read with it
     started: int                          # the step counter when the copy started
 
@@ -74,12 +76,38 @@ class Boundaries(StrEnum):
     EXTERNAL = "external"
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchSettings:
+    """How one model is watched (checked by :func:`probes.watch` before it gets here): the run and this process's
+    rank in it, the sampling (``every`` sampled step, or an ``overhead`` budget), the window of the windowed rules,
+    and what ends a step."""
+
+    run_id: str
+    run_name: str
+    every: int | None
+    overhead: float | None
+    window: int
+    rank: int = 0
+    world_size: int = 1
+    boundaries: Boundaries = Boundaries.OPTIMIZER
+    dense: bool | int = True          # the dense tier: chosen within the budget, off, or every N-th step
+
+
+def sampling_policy(settings: WatchSettings, model: nn.Module) -> SamplingPolicy:
+    """The schedule of the full samples and the dense tier: rank 0 chooses it, the other ranks follow."""
+    return SamplingPolicy(settings.every, settings.overhead, interval_channel(settings.run_id, settings.world_size),
+                          leader=settings.rank == 0, dense=settings.dense,
+                          host_timed=reads_free(torch.device(model_device(model))))
+
+
 class Watcher:
     """Created by :func:`probes.watch`. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
-                 run_id: str, every: int | None, overhead: float | None, window: int, dense: bool | int = True,
-                 rank: int, world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER) -> None:
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path,
+                 settings: WatchSettings) -> None:
+        run_id, every, overhead, window = settings.run_id, settings.every, settings.overhead, settings.window
+        rank, world_size, run_name, dense = settings.rank, settings.world_size, settings.run_name, settings.dense
+        self.settings = settings
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
         self.run_id = run_id
@@ -89,12 +117,11 @@ class Watcher:
         self.window = window
         self._model_ref = weakref.ref(model)
         self._optimizers = list(optimizers)
-        self._external = boundaries == Boundaries.EXTERNAL
+        self._external = settings.boundaries == Boundaries.EXTERNAL
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
-        self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0,
-                                      dense=dense, host_timed=reads_free(torch.device(model_device(model))))
+        self._policy = sampling_policy(settings, model)
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._presence = Presence()                   # what the store holds as the model now, and what left it
@@ -133,8 +160,7 @@ class Watcher:
         # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
         from .notebook import on_cell_end
         self._cell_end = on_cell_end(_gc_resumer(self))
-        if self._tiers.begin(0):
-            self._capture.arm(self._index)
+        self._tiers.begin(0, self._capture.arm, self._index)
 
     # ===================================================================== public API
     @property
@@ -239,7 +265,7 @@ class Watcher:
             if self._unread is not None:
                 self._complete_unread(force=True)
             rec = self._capture.record
-            if rec is not None and rec.live:
+            if rec is not None and rec.hooks.live:
                 with self._probe.guard("close"):
                     self._evaluator.last_modes(self._probe.step, rec, rec.index or self._index)
             self._capture.close()
@@ -348,7 +374,8 @@ class Watcher:
         if not self._external and opt_index in self._stepped:     # this optimizer steps again: a new step began
             with self._probe.guard("step-boundary"):
                 self._end_step()
-        wrapped, taking = None, self._capture.record is not None or self._tiers.armed   # a full sample, a dense step
+        wrapped = None
+        taking = self._capture.record is not None or self._tiers.armed     # a full sample, or a dense step
         with self._probe.guard("optimizer-closure"):          # a closure says when its gradients are final
             wrapped = self._closures.step_begins(opt_index, args, kwargs, taking)
         if wrapped is None and not self._external:             # no closure: final now (external: the integration says)
@@ -402,8 +429,7 @@ class Watcher:
         self._capture.detach()
         self._probe.gc.resume()                     # after the step's records became garbage, not before
         self._probe.start_step(step + 1)
-        if self._tiers.begin(step + 1):
-            self._capture.arm(self._index)
+        self._tiers.begin(step + 1, self._capture.arm, self._index)
         self._probe.step_t0 = time.perf_counter()
 
     def _finish_sample(self, step: int) -> None:
@@ -427,7 +453,7 @@ class Watcher:
         with self._probe.guard("finish-sample"):
             self._read_sample(u.step, u.record, u.fetch, u.loss_slots)
 
-    def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
+    def _read_sample(self, step: int, rec: StepRecord, fetch: PendingFetch,
                      loss_slots: list[tuple[int, int]]) -> None:
         values = self._tiers.read(fetch, self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])

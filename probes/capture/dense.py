@@ -24,6 +24,7 @@ from ..model.index import ModelIndex
 from ..store import records
 from ..store.records import ColumnRows, Op
 from . import measure
+from .host_values import Fetched, PendingFetch
 
 DENSE_FLUSH = 64          # dense steps whose values wait before a copy of their own starts
 FLUSH_S = 2.0             # ...or seconds the oldest waited (a live dashboard sees them soon)
@@ -67,7 +68,7 @@ class _Plan(NamedTuple):
 class _InFlight(NamedTuple):
     samples: list[DenseSample]
     slots: list[int]
-    fetch: measure.PendingFetch
+    fetch: PendingFetch
     started: int
 
 
@@ -215,7 +216,7 @@ class DenseSeries:
         samples, self.pending = self.pending, []
         return DenseRide(samples, [measurements.add(s.values) for s in samples])
 
-    def read_ride(self, ride: DenseRide | None, values: measure.Fetched) -> None:
+    def read_ride(self, ride: DenseRide | None, values: Fetched) -> None:
         if ride is not None:
             self._write(ride.samples, [values[slot] for slot in ride.slots])
 

@@ -12,7 +12,8 @@ from ..store import records
 from ..store.records import Op
 from .dense import DenseRide, DenseSeries
 from .guard import ProbeRuntime
-from .measure import Fetched, PendingFetch, StepMeasurements, UnitActivity
+from .host_values import Fetched, PendingFetch
+from .measure import StepMeasurements, UnitActivity
 from .sampling import SamplingPolicy
 
 __all__ = ["StepTiers"]
@@ -38,12 +39,14 @@ class StepTiers:
         """The dense tier takes the step in progress."""
         return self.series.armed
 
-    def begin(self, step: int) -> bool:
-        """Step ``step`` begins: whether it is a full sample; if not, the dense tier is armed when it is due."""
+    def begin(self, step: int, arm_full: Callable[[ModelIndex], None], index: ModelIndex) -> None:
+        """Step ``step`` begins: a full sample (``arm_full(index)`` arms its capture) or, when it is due, a dense
+        step."""
         full = self.policy.should_sample(step)
+        if full:
+            arm_full(index)
         self.series.arm(not full and self.policy.dense_due(step))
         self.write_next_sample(self.policy.next_sample(step))
-        return full
 
     def take_optimizer(self, step: int, index: ModelIndex, opt_index: int) -> None:
         """On a dense step, the norms at watched optimizer ``opt_index``'s step (its gradients final)."""

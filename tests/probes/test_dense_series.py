@@ -285,10 +285,10 @@ def accelerator_reads(monkeypatch):
     from test_host_reads import HostReads
 
     from probes import watcher
-    from probes.capture import dense, measure
+    from probes.capture import dense, host_values
     from probes.model import tensors
     monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
-    monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(host_values, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     counter = HostReads()
     copies = []                                   # (the step its copy started at, the step it is read at)
 
