@@ -42,7 +42,8 @@ def build_store(path: Path, n_modules: int, n_steps: int, stride: int, n_hot: in
                          keep_open=True)
     conn = st.conn
     now = time.time()
-    conn.executemany("INSERT INTO steps VALUES (0, ?, ?, ?, 3.0, 0.02, 1)",
+    conn.executemany("INSERT INTO steps (rank, step, wall_time, loss, step_ms, probe_ms, sampled) "
+                     "VALUES (0, ?, ?, ?, 3.0, 0.02, 1)",
                      ((s, now, 2.0 * math.exp(-s / (n_steps / 3)) + 0.05) for s in range(n_steps)))
     # the hot branch: layers.0, layers.0.layers.0, ... (the first child at every level)
     hot = [0]
