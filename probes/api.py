@@ -30,7 +30,8 @@ _WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watcher]] = weakref.W
 _CELL_WATCHERS: dict[tuple[str, int], tuple[weakref.ref[Watcher], object]] = {}
 
 
-def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
+# the public entry point: its options are keyword-only, each checked below, and gathered into WatchSettings
+def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,  # noqa: PLR0913
           every: int | None = None, overhead: float = 0.01, window: int = 16,
           run_name: str | None = None, boundaries: str = "optimizer", dense: bool | int = True) -> Watcher:
     """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
