@@ -112,36 +112,45 @@ def _fmt(n: int) -> str:
 # ------------------------------------------------------------------------------------ structure
 def unregistered_module(path: str, type_name: str, n_tensors: int, numel: int, owner: str,
                         mode_sensitive: Sequence[str], step: int | None,
-                        frozen_only: bool = False, all_frozen: bool = False) -> Finding:
+                        frozen_only: bool = False, all_frozen: bool = False, layers: Sequence[str] = ()) -> Finding:
     """``frozen_only``: every parameter in it has requires_grad=False and it has no buffers and no mode-sensitive
     module (a frozen base kept out of state_dict on purpose, or by mistake): nothing trains it either way, what it
     misses is state_dict() and .to(), a warning. ``all_frozen``: every parameter is frozen but it has buffers or
-    mode-sensitive modules (a frozen teacher with BatchNorm): model.eval() not reaching it is what matters."""
-    msg = (f"{type_name} at {display_path(path)} is held in a plain Python attribute/container, not "
-           "registered: ")
+    mode-sensitive modules (a frozen teacher with BatchNorm): model.eval() not reaching it is what matters.
+    ``layers``: the modules of one plain list (``path`` is the list's): one finding for the bug, naming them."""
+    if layers:
+        shown = ", ".join(display_path(p) for p in layers[:8]) + (f" and {len(layers) - 8:,} more"
+                                                                  if len(layers) > 8 else "")
+        msg = (f"{len(layers)} {type_name} modules are held in the plain Python list {display_path(path)} "
+               f"({shown}), not registered: ")
+    else:
+        msg = (f"{type_name} at {display_path(path)} is held in a plain Python attribute/container, not "
+               "registered: ")
+    its, it_holds, it = ("their", "they hold", "them") if layers else ("its", "it holds", "it")
     severity: str | None = None
     if frozen_only:
-        msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
+        msg += (f"{its} {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
                 "so nothing trains them either way, but state_dict() does not save them and .to()/.cuda() do not "
                 "move them (a forward after model.to(device) fails).")
         severity = Severity.WARNING
     elif all_frozen:
         modes = f" ({', '.join(mode_sensitive)})" if mode_sensitive else ""
-        msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
-                f"but model.eval()/.train() never reach its modules{modes}, so their mode stays whatever it was "
-                "(BatchNorm statistics keep moving to the batches), and state_dict() does not save it nor "
-                ".to()/.cuda() move it.")
+        msg += (f"{its} {n_tensors} parameter tensors ({_fmt(numel)} numbers) are all frozen (requires_grad=False), "
+                f"but model.eval()/.train() never reach {its} modules{modes}, so their mode stays whatever it was "
+                f"(BatchNorm statistics keep moving to the batches), and state_dict() does not save {it} nor "
+                f".to()/.cuda() move {it}.")
     elif n_tensors:
-        msg += (f"its {n_tensors} parameter tensors ({_fmt(numel)} numbers) run in forward and get gradients "
+        msg += (f"{its} {n_tensors} parameter tensors ({_fmt(numel)} numbers) run in forward and get gradients "
                 "but are invisible to model.parameters(), the optimizer, state_dict(), .to() and .eval().")
     else:
         modes = f" ({', '.join(mode_sensitive)})" if mode_sensitive else ""
-        msg += (f"it holds no parameters, but buffers or a mode{modes} that state_dict(), .to() or "
+        msg += (f"{it_holds} no parameters, but buffers or a mode{modes} that state_dict(), .to() or "
                 ".train()/.eval() never reach.")
     return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=severity,
                 evidence={"type": type_name, "parameter_tensors": n_tensors, "parameter_numbers": numel,
                           "reachable_from": display_path(owner), "mode_sensitive": list(mode_sensitive),
-                          **({"frozen_only": True} if frozen_only else {})},
+                          **({"frozen_only": True} if frozen_only else {}),
+                          **({"layers": list(layers[:200]), "n_layers": len(layers)} if layers else {})},
                 step=step)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from . import findings
 from .findings import Finding
 from .schema import ModuleKind, TensorKind
@@ -40,20 +43,7 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
     # list once a module is added or removed mid-run
     modules = {n.module_id: n for n in s.modules}
     averaged = averaged_copy_ids(s)
-    for node in s.modules:
-        if not node.top_level_unregistered or node.module is None:
-            continue
-        sub = node.module
-        if not subtree_has_state_or_modes(sub):
-            continue        # drawn in the tree: nothing the optimizer, state_dict(), .to() or .eval() could miss
-        modes = sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)})
-        owner = modules[node.parent_id].path if node.parent_id is not None else ""
-        params = list(sub.parameters())
-        all_frozen = bool(params) and not any(p.requires_grad for p in params)
-        frozen_only = all_frozen and not modes and next(iter(sub.buffers()), None) is None
-        out.append(findings.unregistered_module(node.path, node.type, len(params), node.params_total, owner, modes,
-                                                step, frozen_only=frozen_only,
-                                                all_frozen=all_frozen))
+    out += unregistered_findings(s, modules, step)
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED
         if t.kind == TensorKind.TENSOR and owner_kind == ModuleKind.REGISTERED:
@@ -75,6 +65,69 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
                                                   step))
     return out
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Unregistered:
+    """An unregistered module the optimizer, state_dict(), .to() or .eval() could miss, as its finding says it."""
+
+    path: str
+    type: str
+    n_tensors: int
+    numel: int
+    owner: str
+    modes: tuple[str, ...]
+    frozen_only: bool
+    all_frozen: bool
+
+    def kind(self) -> tuple[str, bool, bool, bool]:
+        """What makes two modules of one list one finding: the same owner, and the same case (frozen or not)."""
+        return self.owner, self.frozen_only, self.all_frozen, self.n_tensors > 0
+
+
+_LIST_ITEM = re.compile(r"^(?P<container>.+)\[(?P<index>\d+)\]$")
+
+
+def unregistered_findings(s: ModelStructure, modules: dict[int, ModuleNode], step: int | None) -> list[Finding]:
+    """One finding per unregistered module, except that the modules of one plain list (or tuple) are one finding
+    at the list (``encoder.blocks``, naming its layers): one bug, one card (their consequences fold under it)."""
+    found: list[Unregistered] = []
+    for node in s.modules:
+        if not node.top_level_unregistered or node.module is None:
+            continue
+        sub = node.module
+        if not subtree_has_state_or_modes(sub):
+            continue        # drawn in the tree: nothing the optimizer, state_dict(), .to() or .eval() could miss
+        modes = tuple(sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)}))
+        params = list(sub.parameters())
+        all_frozen = bool(params) and not any(p.requires_grad for p in params)
+        found.append(Unregistered(node.path, node.type, len(params), node.params_total,
+                                  modules[node.parent_id].path if node.parent_id is not None else "", modes,
+                                  all_frozen and not modes and next(iter(sub.buffers()), None) is None, all_frozen))
+    lists: dict[tuple[str, tuple[str, bool, bool, bool]], list[Unregistered]] = {}
+    for u in found:
+        m = _LIST_ITEM.match(u.path)
+        if m is not None:
+            lists.setdefault((m["container"], u.kind()), []).append(u)
+    out: list[Finding] = []
+    done: set[str] = set()
+    for u in found:
+        if u.path in done:
+            continue
+        m = _LIST_ITEM.match(u.path)
+        group = lists.get((m["container"], u.kind()), []) if m is not None else []
+        if len(group) < 2:
+            out.append(findings.unregistered_module(u.path, u.type, u.n_tensors, u.numel, u.owner, u.modes, step,
+                                                    frozen_only=u.frozen_only, all_frozen=u.all_frozen))
+            continue
+        assert m is not None
+        done.update(g.path for g in group)
+        types = ", ".join(dict.fromkeys(g.type for g in group))
+        out.append(findings.unregistered_module(
+            m["container"], types, sum(g.n_tensors for g in group), sum(g.numel for g in group), u.owner,
+            sorted({x for g in group for x in g.modes}), step, frozen_only=u.frozen_only, all_frozen=u.all_frozen,
+            layers=[g.path for g in group]))
+    return out
 
 
 # frozen subtrees and tensors beyond which one info at the root counts them all (LoRA on every projection of an LLM
