@@ -1,4 +1,5 @@
-"""Data access: every SQL statement of the dashboard lives in this module.
+"""Data access: every SQL statement of the dashboard lives in this module (and the series over time, read
+through :meth:`Store._query` too, in dashboard/series.py).
 
 A :class:`Store` reads one store file (one rank's, a version-1 run's, or a snapshot);
 :class:`dashboard.run.Run` reads the rank files of one run as one, on top of it. A store that a

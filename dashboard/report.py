@@ -16,13 +16,13 @@ from typing import Any
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from probes.schema import ModuleKind, Severity, display_path
+from probes.schema import ModuleKind, Severity, count_text, display_path
 
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
 from .data import REMOVED, Store, status_text
 from .paths import assets_dir
-from .run import Run, RunDir, as_run_dir, format_ranks, others_note
+from .run import Run, RunDir, as_run_dir, format_ranks, others_note, root_counts
 
 MAX_TREE_NODES = 5000
 MAX_CHART_MODULES = 8
@@ -156,6 +156,7 @@ def _ranks_html(rows: list[dict[str, Any]]) -> str:
 
 
 def _overview_html(ov: dict[str, Any]) -> str:
+    params = ov.get("params") or {}
     rows = [
         ("Run", ov["run_name"]), ("Run id", ov.get("run_id")), ("Ranks", format_ranks(ov.get("ranks") or [0])),
         ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
@@ -165,8 +166,11 @@ def _overview_html(ov: dict[str, Any]) -> str:
         ("Registered modules", ov["modules"][ModuleKind.REGISTERED]),
         ("Unregistered modules", ov["modules"][ModuleKind.UNREGISTERED] + ov["modules"][ModuleKind.RUNTIME]),
         *([("Modules removed during the run", ov["modules_removed"])] if ov.get("modules_removed") else []),
-        ("Parameters", (ov.get("params") or {}).get("total")),
-        ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
+        ("Parameters", (params.get("total") or 0) + (params.get("unregistered") or 0)),
+        ("Parameters registered (model.parameters())", params.get("total")),
+        *([("Parameters unregistered (not in model.parameters())", params["unregistered"])]
+          if params.get("unregistered") else []),
+        ("Parameters held by the optimizer", params.get("in_optimizer")),
         *([("Failed store commits", ov["write_errors"]), ("Last store error", ov.get("last_error"))]
           if ov.get("write_errors") else []),
         ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", ov.get("path")),
@@ -249,7 +253,7 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 <section class="panel" id="overview"><h2>Overview</h2>{_overview_html(ov)}</section>
 {ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>
-<section class="panel" id="findings"><h2>Findings ({len(roots)} root causes, {len(merged)} in all)</h2>
+<section class="panel" id="findings"><h2>Findings: {esc(count_text(root_counts(roots), len(merged) - len(roots)))}</h2>
 {_findings_html(roots, several)}</section>
 <section class="panel" id="tree"><h2>Module tree{tree_rank}</h2>{_tree_html(store, rank)}</section>
 <section class="panel" id="modules"><h2>Module charts{tree_rank}</h2>{''.join(module_sections)}</section>

@@ -20,7 +20,7 @@ import sqlite3
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -37,7 +37,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
            "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
-           "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
+           "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label", "count_text",
            "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
            "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
            "status_path", "store_filename"]
@@ -249,6 +249,21 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
 
 
 EVENT_CODES = frozenset(code for code, info in CODES.items() if info.event)
+
+
+def count_text(root_causes: Mapping[str, int], consequences: int) -> str:
+    """How findings are counted everywhere (the summary of ``modscope run``, ``modscope findings``, the
+    Overview, the Findings page, the report): root causes by severity first, then the findings they explain.
+    ``{"error": 2, "warning": 1}, 12`` -> ``'3 root causes (2 errors, 1 warning) and 12 consequences'``."""
+    total = sum(root_causes.values())
+    if not total and not consequences:
+        return "no findings"
+    parts = [f"{n} {s}{'s' if n != 1 and s != Severity.INFO else ''}"
+             for s in (str(v) for v in Severity) if (n := int(root_causes.get(s, 0)))]
+    text = f"{total} root cause{'s' if total != 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
+    if consequences:
+        text += f" and {consequences} consequence{'s' if consequences != 1 else ''}"
+    return text
 
 
 def code_label(code: str) -> str:

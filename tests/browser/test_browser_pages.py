@@ -290,7 +290,7 @@ def test_root_causes_fold_their_consequences(page, server_factory, tmp_path):
     srv = server_factory(["--snapshot", str(path)])
     page.get(srv.url)
     wait_text(page, "3 errors", "#ov-cards")
-    wait_text(page, "15 findings with their consequences", "#ov-cards")
+    wait_text(page, "3 root causes (3 errors) and 12 consequences", "#ov-cards")
     click(page, ".nav-link", "Findings")
     wait_text(page, "unregistered-module", "#findings-list")
     cards = page.find_elements(By.CSS_SELECTOR, "#findings-list > .finding")
