@@ -260,14 +260,14 @@ def test_live_module_detail_keeps_what_the_user_did(page, server_factory, tmp_pa
     wait_text(page, "encoder.blocks[1]", "#detail-header h2")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
     zoomed = drag_zoom(page, "detail-heat")
-    OPENED = [False, True] + [False] * 10       # noqa: N806  (the evidence of the second of the 12 consequences)
+    opened = [False, True] + [False] * 10       # the evidence of the second of the 12 consequences
     root = "#detail-findings > .detail-findings > .finding:nth-child(2)"        # after the heading
     wait_text(page, "12 consequences", f"{root} > details.consequences > summary")
     click(page, f"{root} > details.evidence-box > summary")
     click(page, f"{root} > details.consequences > summary")
     click(page, f"{root} .consequences-list > .finding:nth-child(2) > details.evidence-box > summary")
     state = wait_for(page, lambda d: (s := d.execute_script(DETAIL_STATE))["evidence"] == [True]
-                     and s["consequences"] == [True] and s["folded"] == OPENED and s,
+                     and s["consequences"] == [True] and s["folded"] == opened and s,
                      "the evidence and consequences of the plain list's finding, one consequence's evidence")
     bottom = page.execute_script("window.scrollTo(0, document.documentElement.scrollHeight);"
                                  "return window.scrollY;")
@@ -277,7 +277,7 @@ def test_live_module_detail_keeps_what_the_user_did(page, server_factory, tmp_pa
     while len(seen) < 5 or len(columns) < 4:          # polls that drew the findings and the heat map again
         state = page.execute_script(DETAIL_STATE)
         assert state["evidence"] == [True] and state["consequences"] == [True], f"closed after {seen}: {state}"
-        assert state["folded"] == OPENED, f"closed after {seen}: {state}"
+        assert state["folded"] == opened, f"closed after {seen}: {state}"
         assert state["heat_range"] == zoomed, f"the heat map's zoom {zoomed} lost after {columns}: {state}"
         assert state["module"] == "encoder.blocks[1]" and state["url"] == "/modules", state
         assert state["scroll"] == bottom, f"scrolled from {bottom} after {seen}: {state}"

@@ -39,7 +39,7 @@ def view(run_dir, metric: str, opened=None, per_tensor=False):
 
 
 def test_one_row_per_layer_in_forward_order_and_a_column_per_step(mlp):
-    store, tree, rows, heat = view(mlp.run_dir, "grad_norm")
+    _, _, rows, heat = view(mlp.run_dir, "grad_norm")
     assert [r.label for r in rows] == list(mlp.layer_paths) and {r.kind for r in rows} == {"layer"}
     assert heat.steps == list(range(0, mlp.steps, tanh_mlp.EVERY)) and len(heat.steps) >= 40
     for i, layer in enumerate(mlp.layer_paths):          # the layer's gradient: its weight's and bias's as one
@@ -56,7 +56,7 @@ def test_one_row_per_layer_in_forward_order_and_a_column_per_step(mlp):
 
 
 def test_a_collapsed_model_is_one_row_holding_every_tensor(mlp):
-    store, tree, rows, heat = view(mlp.run_dir, "grad_norm", opened=set())
+    _, _, rows, heat = view(mlp.run_dir, "grad_norm", opened=set())
     [row] = rows
     assert row.kind == "block" and row.label == "<root> (6 layers)" and len(row.param_ids) == 12
     step = heat.steps[7]
@@ -66,7 +66,7 @@ def test_a_collapsed_model_is_one_row_holding_every_tensor(mlp):
 
 
 def test_update_ratio_is_drawn_as_log10_with_the_guide(mlp):
-    store, tree, rows, heat = view(mlp.run_dir, "update_ratio")
+    _, _, rows, heat = view(mlp.run_dir, "update_ratio")
     ratios = [v for row in heat.values for v in row if v is not None]
     assert ratios and all(0 < v < 1 for v in ratios)
     shown = heat.shown()
