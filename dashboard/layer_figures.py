@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .figures import SERIES_COLORS, Figure, _axis, _base, empty_figure, fmt_num, plot_text
+from .figures import SERIES_COLORS, Figure, _axis, _base, empty_figure, fmt_num, plot_text, whole_steps
 from .layer_data import GUIDE_RATIO, RATIO_LOG_RANGE, LayerHeat, LayerRow
 from .series import METRICS
 
@@ -34,10 +34,7 @@ def colour_title(metric: str) -> str:
 
 def step_axis(steps: Sequence[int], **extra: Any) -> dict[str, Any]:
     """An x axis of steps that never labels a fraction of a step."""
-    ax = _axis(title={"text": "step"}, tickformat="d", **extra)
-    if steps and max(steps) - min(steps) < 8:
-        ax["dtick"] = 1
-    return ax
+    return whole_steps(_axis(title={"text": "step"}, **extra), steps)
 
 
 def hover_text(values: Sequence[Sequence[float | None]]) -> list[list[str]]:

@@ -224,15 +224,19 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
             continue
         series = store.module_series(rank, mid)
         rev = f"r{i}"
+        # a container that never ran (a ModuleList) has no samples: no empty panels for it
+        panels = [(fig, name) for fig, name in (
+            (figures.activation_figure(series, rev), "act"), (figures.fractions_figure(series, rev), "frac"),
+            (figures.grad_figure(series, rev), "grad"), (figures.heatmap_figure(store.module_hist(rank, mid), rev),
+                                                          "heat")) if fig["data"]]
+        if not panels:
+            continue
         gone = (f' <span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None else "")
         module_sections.append(
             f'<section class="report-module"><h3 class="mono">{esc(display_path(m["path"]))} '
             f'<span class="tree-type">{esc(m["type"])}</span>{gone}</h3><div class="charts">'
-            + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
-            + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")
-            + _fig_html(figures.grad_figure(series, rev), f"chart-{i}-grad")
-            + _fig_html(figures.heatmap_figure(store.module_hist(rank, mid), rev), f"chart-{i}-heat")
+            + "".join(_fig_html(fig, f"chart-{i}-{name}") for fig, name in panels)
             + "</div></section>")
     generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     title = f"modscope report: {ov['run_name']}"
