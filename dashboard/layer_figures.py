@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .figures import SERIES_COLORS, Figure, _axis, _base, empty_figure, fmt_num, plot_text, whole_steps
 from .layer_data import GUIDE_RATIO, RATIO_LOG_RANGE, LayerHeat, LayerRow
@@ -19,7 +19,7 @@ def colour_spec(metric: str) -> dict[str, Any]:
     """The heat map's colour settings for ``metric`` (a fixed scale where the values have one)."""
     if metric == "update_ratio":
         lo, hi = RATIO_LOG_RANGE
-        return {"colorscale": "RdBu", "reversescale": True, "zmin": lo, "zmax": hi, "zmid": -3}
+        return {"colorscale": "RdBu", "zmin": lo, "zmax": hi, "zmid": -3}      # above the guide red, below blue
     if metric == "act_mean":
         return {"colorscale": "RdBu", "reversescale": True, "zmid": 0}
     if metric in ("dead_fraction", "saturated_fraction", "zero_fraction"):
@@ -75,37 +75,57 @@ def layer_lines_figure(rows: Sequence[LayerRow], heat: LayerHeat, picked: Sequen
     layout = _base(None, 360, uirevision)
     layout["hovermode"] = "x unified"
     layout["xaxis"] = step_axis(heat.steps)
-    layout["yaxis"]["title"] = {"text": plot_text(spec.label)}
+    ratio = heat.metric == "update_ratio"
+    layout["yaxis"]["title"] = {"text": "log10 update/data" if ratio else plot_text(spec.label)}
     layout["legend"] = {"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top"}
     layout["margin"] = {"l": 60, "r": 24, "t": 16, "b": 48}
-    if spec.log:
+    if spec.log and not ratio:
         layout["yaxis"]["type"] = "log"
     data = []
     for n, key in enumerate(chosen):
         i = index[key]
-        xs, ys = points(heat.steps, heat.values[i], spec.log)
-        data.append({"type": "scatter", "x": xs, "y": ys, "name": plot_text(rows[i].label), "mode": "lines",
+        line = points(heat.steps, heat.values[i], heat.metric)
+        data.append({"type": "scatter", "x": line.x, "y": line.y, "customdata": line.value,
+                     "name": plot_text(rows[i].label), "mode": "lines",
                      "line": {"color": LINE_COLORS[n % len(LINE_COLORS)], "width": 2},
-                     "hovertemplate": "%{y:.3g}"})
-    if heat.metric == "update_ratio":
+                     "hovertemplate": "%{customdata:.3g}"})
+    if ratio:
         guide(layout)
     return {"data": data, "layout": layout}
 
 
-def points(steps: Sequence[int], values: Sequence[float | None], log: bool) -> tuple[list[int], list[float]]:
-    """The (step, value) pairs a line draws: the steps with a value (a positive one on a log axis)."""
-    pairs = [(s, v) for s, v in zip(steps, values, strict=True)
-             if v is not None and math.isfinite(v) and (v > 0 or not log)]
-    return [s for s, _ in pairs], [v for _, v in pairs]
+class Line(NamedTuple):
+    """What one line draws: steps, the y it is drawn at, the value it says on hover."""
+
+    x: list[int]
+    y: list[float]
+    value: list[float]
+
+
+def points(steps: Sequence[int], values: Sequence[float | None], metric: str) -> Line:
+    """The steps with a value: on a log axis the positive ones; the update-to-data ratio as log10 (the way it is
+    read against its 1e-3 guide, -3), a zero (a layer that does not update) at the bottom of its scale."""
+    spec = METRICS[metric]
+    out = Line([], [], [])
+    for s, v in zip(steps, values, strict=True):
+        if v is None or not math.isfinite(v):
+            continue
+        if spec.log and (v < 0 or (v == 0 and metric != "update_ratio")):
+            continue
+        out.x.append(s)
+        out.value.append(v)
+        out.y.append((math.log10(v) if v > 0 else RATIO_LOG_RANGE[0]) if metric == "update_ratio" else v)
+    return out
 
 
 def guide(layout: dict[str, Any], yref: str = "y") -> None:
-    """The update-to-data ratio's 1e-3 guide: a dashed line across the chart, labelled."""
+    """The update-to-data ratio's guide, log10(1e-3) = -3: a dashed line across the chart, labelled."""
+    at = math.log10(GUIDE_RATIO)
     layout.setdefault("shapes", []).append(
-        {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": yref, "y0": GUIDE_RATIO, "y1": GUIDE_RATIO,
+        {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": yref, "y0": at, "y1": at,
          "line": {"color": "#9ca3af", "dash": "dash", "width": 1}})
     layout.setdefault("annotations", []).append(
-        {"text": "1e-3 guide", "xref": "paper", "x": 1, "xanchor": "right", "yref": yref, "y": math.log10(GUIDE_RATIO),
+        {"text": "1e-3 guide", "xref": "paper", "x": 1, "xanchor": "right", "yref": yref, "y": at,
          "yanchor": "bottom", "showarrow": False, "font": {"size": 11, "color": "#6b7280"}})
 
 
@@ -121,7 +141,7 @@ def param_history_figure(series: Mapping[str, Mapping[str, Sequence[Any]]], uire
     all_steps = [int(x) for s in series.values() for x in (*(s.get("step") or []), *(s.get("update_step") or []))]
     layout["xaxis"] = step_axis(all_steps, anchor="y2")
     layout["yaxis"] = _axis(domain=[0.56, 1.0], type="log", anchor="x", title={"text": "grad norm"})
-    layout["yaxis2"] = _axis(domain=[0.0, 0.44], type="log", anchor="x", title={"text": "update/data"})
+    layout["yaxis2"] = _axis(domain=[0.0, 0.44], anchor="x", title={"text": "log10 update/data"})
     layout["annotations"] = [
         {"text": title, "showarrow": False, "xref": "paper", "yref": "paper", "x": 0, "y": top, "xanchor": "left",
          "yanchor": "bottom", "yshift": 4, "font": {"size": 14}}
@@ -131,10 +151,11 @@ def param_history_figure(series: Mapping[str, Mapping[str, Sequence[Any]]], uire
         colour = LINE_COLORS[n % len(LINE_COLORS)]
         for key, steps_key, axis, show in (("grad_norm", "step", "y", True),
                                            ("update_ratio", "update_step", "y2", False)):
-            xs, ys = points(list(s.get(steps_key) or []), list(s.get(key) or []), True)
-            data.append({"type": "scatter", "x": xs, "y": ys, "name": plot_text(name), "legendgroup": name,
-                         "showlegend": show, "mode": "lines+markers" if len(xs) < 40 else "lines",
-                         "marker": {"size": 4}, "line": {"color": colour, "width": 2}, "xaxis": "x", "yaxis": axis,
-                         "hovertemplate": "%{y:.3g}"})
+            line = points(list(s.get(steps_key) or []), list(s.get(key) or []), key)
+            data.append({"type": "scatter", "x": line.x, "y": line.y, "customdata": line.value,
+                         "name": plot_text(name), "legendgroup": name, "showlegend": show,
+                         "mode": "lines+markers" if len(line.x) < 40 else "lines", "marker": {"size": 4},
+                         "line": {"color": colour, "width": 2}, "xaxis": "x", "yaxis": axis,
+                         "hovertemplate": "%{customdata:.3g}"})
     guide(layout, "y2")
     return {"data": data, "layout": layout}

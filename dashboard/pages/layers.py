@@ -102,9 +102,10 @@ def extend(new: LayerHeat, rows: Sequence[LayerRow], picked: Sequence[str]) -> t
         heat["data"][0]["text"][i].extend(text[i])
     index = {r.key: i for i, r in enumerate(rows)}
     for n, key in enumerate(k for k in picked if k in index):
-        xs, ys = points(new.steps, new.values[index[key]], METRICS[new.metric].log)
-        lines["data"][n]["x"].extend(xs)
-        lines["data"][n]["y"].extend(ys)
+        line = points(new.steps, new.values[index[key]], new.metric)
+        lines["data"][n]["x"].extend(line.x)
+        lines["data"][n]["y"].extend(line.y)
+        lines["data"][n]["customdata"].extend(line.value)
     return heat, lines
 
 

@@ -76,8 +76,8 @@ def test_update_ratio_is_drawn_as_log10_with_the_guide(mlp):
     assert trace["zmid"] == -3 and len(trace["y"]) == 6 and trace["x"] == heat.steps
     assert "step %{x}" in trace["hovertemplate"] and "%{y}" in trace["hovertemplate"]
     lines = layer_lines_figure(rows, heat, ld.default_picks(rows), "r")
-    assert lines["layout"]["yaxis"]["type"] == "log" and len(lines["data"]) == 6
-    assert lines["layout"]["shapes"][0]["y0"] == ld.GUIDE_RATIO
+    assert len(lines["data"]) == 6 and lines["layout"]["shapes"][0]["y0"] == -3     # log10 of the 1e-3 guide
+    assert lines["data"][0]["y"][3] == shown[0][3] and lines["data"][0]["customdata"][3] == heat.values[0][3]
 
 
 class Block(nn.Module):
