@@ -1,5 +1,5 @@
 """``modscope series``: a run's metric over time as a tidy CSV (``step,rank,path,metric,value``), the same table
-as the pandas function ``dashboard.series.read_series``; checked against the norms the training loop took."""
+as the pandas function ``dashboard.read.series.read_series``; checked against the norms the training loop took."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import tanh_mlp
 
-from dashboard.series import METRICS, MetricError, read_series
+from dashboard.read.series import METRICS, MetricError, read_series
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 

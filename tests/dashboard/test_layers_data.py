@@ -14,13 +14,13 @@ from dash.exceptions import PreventUpdate
 from torch import nn
 
 import probes
-from dashboard import layer_data as ld
-from dashboard.config import AppConfig
-from dashboard.data import Store
-from dashboard.layer_figures import layer_heat_figure, layer_lines_figure
-from dashboard.pages import layers as layers_page
-from dashboard.poll import read_tick
-from dashboard.series import METRICS, open_run
+from dashboard.read import layer_data as ld
+from dashboard.read.series import METRICS, open_run
+from dashboard.read.store import Store
+from dashboard.web.config import AppConfig
+from dashboard.web.layer_figures import layer_heat_figure, layer_lines_figure
+from dashboard.web.pages import layers as layers_page
+from dashboard.web.poll import read_tick
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import probes
-from dashboard import figures
-from dashboard.report import build_report
-from dashboard.series import open_run
+from dashboard.read.series import open_run
+from dashboard.web import figures
+from dashboard.web.report import build_report
 
 
 class Net(nn.Module):

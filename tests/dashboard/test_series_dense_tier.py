@@ -11,8 +11,8 @@ import sqlite3
 import pytest
 import tanh_mlp
 
-from dashboard import layer_data as ld
-from dashboard.series import METRICS, open_run, read_series, step_counts
+from dashboard.read import layer_data as ld
+from dashboard.read.series import METRICS, open_run, read_series
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_dense_series_join_the_full_samples(mlp, tmp_path):
     assert got[(0, "0.weight")] == pytest.approx(mlp.grad_norms[(0, "0.weight")], rel=1e-5)
     assert len(read_series(run_dir, "update_ratio").query("step in (1, 2, 3)")) == 0     # full samples only
     store_ = open_run(run_dir).at(0)
-    counts = step_counts(store_, 0)
+    counts = store_.step_counts(0)
     assert (counts.full, counts.dense) == (50, 3)
     assert counts.text() == "50 full samples · 53 steps with dense series"
     spec = METRICS["grad_norm"]
