@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 
 from ...schema import FindingCode, Severity, display_path
-from ..finding import Finding, fmt_number, make
+from ..finding import Finding, Seen, fmt_number, make
 from .base import Explains, Reads, Relation, Rule
 
 _LIST_ITEM = re.compile(r"^(?P<container>.+)\[(?P<index>\d+)\]$")
@@ -98,7 +98,7 @@ class UnregisteredModule(Rule):
                               **({"frozen_only": True} if frozen_only else {}),
                               **({"layers": list(layers[:MAX_LAYERS_KEPT]), "n_layers": len(layers)}
                                  if layers else {})},
-                    step=step)
+                    seen=Seen(step))
 
     @staticmethod
     def in_attributes_of(held: Sequence[HeldModule], step: int | None) -> list[Finding]:
@@ -146,4 +146,4 @@ class UnregisteredModule(Rule):
                    "state_dict(), .to() and .eval() miss it.")
         return make(FindingCode.UNREGISTERED_MODULE, path, msg,
                     evidence={"type": type_name, "called_from": caller, "parameter_numbers": numel,
-                              "same_object_each_step": same_object}, step=step)
+                              "same_object_each_step": same_object}, seen=Seen(step))
