@@ -436,7 +436,7 @@ def test_module_form_and_the_runner_never_imports_torch(tmp_path):
     assert lines(r.stdout, "FILE") == [str(tmp_path / "pkg" / "trainmod.py")]
     assert lines(r.stdout, "PATH0") == [str(tmp_path)]
     found = findings_json(run_dir, tmp_path)
-    assert any(f["path"] == "encoder.blocks[1]" for f in found)
+    assert any(f["path"] == "encoder.blocks" and f["code"] == "unregistered-module" for f in found)  # the plain list
     # --snapshot DIR: the directory's runs, read-only, as serve and export take it
     snap = modscope("findings", "--snapshot", str(run_dir), "--json", cwd=tmp_path)
     assert snap.returncode == 0 and json.loads(snap.stdout) == found, snap.stderr
