@@ -52,14 +52,16 @@ class UnregisteredModule(Rule):
                 Explains(FindingCode.TRAINING_MODE_MISMATCH, Relation.AT_OR_BELOW))
 
     @staticmethod
-    def in_attributes(path: str, type_name: str, n_tensors: int, numel: int, owner: str,
-                      mode_sensitive: Sequence[str], step: int | None,
-                      frozen_only: bool = False, all_frozen: bool = False, layers: Sequence[str] = ()) -> Finding:
-        """``frozen_only``: every parameter in it has requires_grad=False and it has no buffers and no mode-sensitive
-        module (a frozen base kept out of state_dict on purpose, or by mistake): nothing trains it either way, what it
-        misses is state_dict() and .to(), a warning. ``all_frozen``: every parameter is frozen but it has buffers or
-        mode-sensitive modules (a frozen teacher with BatchNorm): model.eval() not reaching it is what matters.
-        ``layers``: the modules of one plain list (``path`` is the list's): one finding for the bug, naming them."""
+    def in_attributes(held: HeldModule, step: int | None, layers: Sequence[str] = ()) -> Finding:
+        """``held.frozen_only``: every parameter in it has requires_grad=False and it has no buffers and no
+        mode-sensitive module (a frozen base kept out of state_dict on purpose, or by mistake): nothing trains it
+        either way, what it misses is state_dict() and .to(), a warning. ``held.all_frozen``: every parameter is
+        frozen but it has buffers or mode-sensitive modules (a frozen teacher with BatchNorm): model.eval() not
+        reaching it is what matters.
+        ``layers``: the modules of one plain list (``held.path`` is the list's): one finding for the bug, naming
+        them."""
+        path, type_name, n_tensors, numel = held.path, held.type, held.n_tensors, held.numel
+        frozen_only, all_frozen, mode_sensitive = held.frozen_only, held.all_frozen, held.modes
         if layers:
             shown = ", ".join(display_path(p) for p in layers[:MAX_LAYERS_NAMED])
             if len(layers) > MAX_LAYERS_NAMED:
@@ -94,7 +96,7 @@ class UnregisteredModule(Rule):
                     ".train()/.eval() never reach.")
         return make(FindingCode.UNREGISTERED_MODULE, path, msg, severity=severity,
                     evidence={"type": type_name, "parameter_tensors": n_tensors, "parameter_numbers": numel,
-                              "reachable_from": display_path(owner), "mode_sensitive": list(mode_sensitive),
+                              "reachable_from": display_path(held.owner), "mode_sensitive": list(mode_sensitive),
                               **({"frozen_only": True} if frozen_only else {}),
                               **({"layers": list(layers[:MAX_LAYERS_KEPT]), "n_layers": len(layers)}
                                  if layers else {})},
@@ -117,15 +119,14 @@ class UnregisteredModule(Rule):
             m = _LIST_ITEM.match(h.path)
             group = lists.get((m["container"], h.case()), []) if m is not None else []
             if m is None or len(group) < 2:
-                out.append(UnregisteredModule.in_attributes(h.path, h.type, h.n_tensors, h.numel, h.owner, h.modes,
-                                                            step, frozen_only=h.frozen_only,
-                                                            all_frozen=h.all_frozen))
+                out.append(UnregisteredModule.in_attributes(h, step))
                 continue
             done.update(g.path for g in group)
-            out.append(UnregisteredModule.in_attributes(
+            the_list = HeldModule(
                 m["container"], ", ".join(dict.fromkeys(g.type for g in group)), sum(g.n_tensors for g in group),
-                sum(g.numel for g in group), h.owner, sorted({x for g in group for x in g.modes}), step,
-                frozen_only=h.frozen_only, all_frozen=h.all_frozen, layers=[g.path for g in group]))
+                sum(g.numel for g in group), h.owner, tuple(sorted({x for g in group for x in g.modes})),
+                frozen_only=h.frozen_only, all_frozen=h.all_frozen)
+            out.append(UnregisteredModule.in_attributes(the_list, step, layers=[g.path for g in group]))
         return out
 
     @staticmethod
