@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import records
+from . import records, run_files
 from ._version import __version__
 from .guard import ErrorLog
 from .records import Op
@@ -45,7 +45,7 @@ class StoreSession:
             self.writer = StoreWriter(files.store, journal=self.journal)
         except BaseException:
             self._lock.release()
-            files.status.unlink(missing_ok=True)
+            run_files.remove_own(files.status)
             raise
         now = time.time()
         self._identity = [

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import run_files
 from .records import Op
 from .schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
 
@@ -67,11 +68,26 @@ def connect_writer(path: str | os.PathLike[str], journal: str = "wal") -> sqlite
     """Open (creating if needed) a store for writing: journal mode, schema, version check. A store that
     cannot be created (a full disk) leaves no file behind."""
     path = Path(path)
-    existed = path.exists()
+    try:
+        fd, created = run_files.claim(path)      # never through a link planted at the store's name
+    except OSError as exc:
+        raise StoreError(str(exc) if isinstance(exc, run_files.UnsafeRunFileError)
+                         else f"{path}: cannot create ({exc.strerror or exc})") from None
+    existed = not created
     try:
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
     except sqlite3.DatabaseError as exc:
+        os.close(fd)
+        if created:
+            run_files.remove_own(path)
         raise StoreError(f"{path}: cannot open ({_one_line(exc)})") from None
+    try:
+        run_files.check_sqlite_opened(conn, path, fd)
+    except run_files.UnsafeRunFileError as exc:
+        conn.close()
+        raise StoreError(str(exc)) from None
+    finally:
+        os.close(fd)
     # A reader that opened the file while it was being created (a dashboard started before the training)
     # makes the journal-mode switch fail with SQLITE_BUSY at once instead of waiting: retry for a while.
     deadline = time.monotonic() + 60
@@ -152,10 +168,7 @@ def _declarations(table: str) -> dict[str, str]:
 
 def _remove_store_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):
-        try:
-            Path(str(path) + suffix).unlink(missing_ok=True)
-        except OSError:
-            pass
+        run_files.remove_own(str(path) + suffix)
 
 
 class StatusFile:
@@ -166,7 +179,9 @@ class StatusFile:
         self.path = status_path(store_path)
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd, _ = run_files.claim(self.path)     # never through a planted link (run_files.py)
+        except run_files.UnsafeRunFileError:
+            raise
         except OSError:
             self._fd = None
 
@@ -257,12 +272,17 @@ class StoreWriter:
     # -- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            try:
+                self._status = StatusFile(self.path)     # first: a refused status leaves no store behind
+            except run_files.UnsafeRunFileError as exc:
+                raise StoreError(str(exc)) from None
             conn = connect_writer(self.path, self.journal)
         except BaseException as exc:      # reported to the constructor, which raises it
+            if self._status is not None:
+                self._status.close()
             self._startup_error = exc
             self._ready.set()
             return
-        self._status = StatusFile(self.path)
         self._report()
         self._ready.set()
         stop = False
