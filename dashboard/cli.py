@@ -24,14 +24,17 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from probes.schema import every_option, overhead_option
+from probes.schema import every_option, overhead_option, printable
+
+from .children import python_command
+from .token_source import add_token_options, chosen_token, token_env
 
 if TYPE_CHECKING:
     from .server import AppConfig
 
 
 def fail(msg: str) -> NoReturn:
-    print(f"modscope: error: {msg}", file=sys.stderr)
+    print(printable(f"modscope: error: {msg}"), file=sys.stderr)     # paths and names as typed: escaped
     raise SystemExit(2)
 
 
@@ -172,7 +175,7 @@ def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: lis
         demo_proc = start_demo(run_dir, demo_args)
     except FileNotFoundError as exc:
         fail(str(exc))
-    print(f"demo training started (pid {demo_proc.pid}), writing to {run_dir}", flush=True)
+    print(printable(f"demo training started (pid {demo_proc.pid}), writing to {run_dir}"), flush=True)
     try:
         return AppConfig(mode="live", store=Store.open_run(run_dir), poll_ms=poll_ms), demo_proc
     except StoreError as exc:
@@ -307,7 +310,7 @@ def export(output: str, *, run: str | None = None, snapshot: str | None = None, 
         fail(str(exc))
     except OSError as exc:
         fail(f"{output}: cannot write ({exc.strerror or exc})")
-    print(f"wrote {out}")
+    print(printable(f"wrote {out}"))
     return 0
 
 
@@ -316,11 +319,12 @@ def export(output: str, *, run: str | None = None, snapshot: str | None = None, 
 # main()). Today's flags without a command (``python app.py --run DIR``) still serve, or start
 # the demo when they name no store.
 COMMANDS = {
-    "serve": "(--run DIR | --snapshot FILE | --compare A B) [--host H] [--port P] [--token T]",
-    "demo": "[--host H] [--port P] [--token T] [--runs-dir DIR] [--demo-arg ARG ...]",
+    "serve": "(--run DIR | --snapshot FILE | --compare A B) [--host H] [--port P] [--token-file F]",
+    "demo": "[--host H] [--port P] [--token-file F] [--runs-dir DIR] [--demo-arg ARG ...]",
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
-    "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
+    "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P] [--token-file F]] "
+           "(script.py | -m package.module) [ARGS...]",
 }
 ABOUT = {
     "serve": "the dashboard on a run (live), a snapshot (review) or two of them (compare)",
@@ -341,7 +345,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(printable(f"{self.prog}: error: {message}"), file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -400,7 +404,7 @@ def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
         src.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two runs or snapshots")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
-    p.add_argument("--token", help="access token (required, or generated, for a non-loopback host)")
+    add_token_options(p, "access token (required, or generated, for a non-loopback host)")
     p.add_argument("--poll-ms", type=int, default=1000, help="live polling interval in ms (default 1000)")
     if source != "required":
         p.add_argument("--runs-dir", default="runs", help="where the demo writes its run (default ./runs)")
@@ -414,6 +418,7 @@ def serve_main(argv: Sequence[str], prog: str = "modscope", source: str = "requi
     from .demo import DEMO_ARGS
 
     args = serve_parser(prog, source).parse_args(list(argv))
+    args.token = chosen_token(args)
     args.host, args.token = check_serve_args(args.host, args.port, args.token)  # before the demo starts
     check_poll_ms(args.poll_ms)
     demo_proc = None
@@ -467,7 +472,7 @@ def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
 
 
 # -------------------------------------------------------------------------------- run
-_RUN_VALUE_OPTIONS = frozenset({"--run-dir", "--every", "--overhead", "--port"})
+_RUN_VALUE_OPTIONS = frozenset({"--run-dir", "--every", "--overhead", "--port", "--token", "--token-file"})
 
 
 def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -505,6 +510,7 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
                    help="also serve the dashboard on the run (127.0.0.1); it stays up after the training "
                         "ends, until Ctrl-C")
     p.add_argument("--port", type=int, default=None, help="the dashboard's port with --serve (default 8050)")
+    add_token_options(p, "the dashboard's access token with --serve (default: none on 127.0.0.1)")
     args = p.parse_args(ours)
     if not target or (target[0] == "-m" and len(target) < 2):
         p.error("expected a script to run (script.py [ARGS...]) or -m package.module [ARGS...]")
@@ -516,19 +522,24 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
         fail(f"{target[0]}: no such file; expected a Python script to run")
     if args.port is not None and not args.serve:
         fail(f"--port {args.port}: only with --serve (the dashboard's port)")
+    if not args.serve and (args.token is not None or args.token_file is not None):
+        fail(f"{'--token' if args.token is not None else '--token-file'}: only with --serve (the dashboard's token)")
+    token = chosen_token(args) if args.serve else None
     port = 8050 if args.port is None else args.port
     if args.serve:
         host, _ = check_serve_args("127.0.0.1", port, None)
         check_port(host, port)
-    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(Path("runs"))
+    run_dir = Path(args.run_dir or "runs")
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if not args.run_dir:
+            run_dir, created = _new_run_dir(run_dir), True
     except OSError as exc:
         fail(f"--run-dir {run_dir}: cannot create ({exc.strerror or exc})")
     rate_args = ["--every", str(args.every)] if args.every else ["--overhead", repr(args.overhead)]
-    cmd = [sys.executable, "-m", "probes.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
-    status = _supervise(cmd, run_dir, port if args.serve else None)
+    cmd = python_command("probes.autorun", ["--run-dir", str(run_dir), *rate_args, "--", *target])
+    status = _supervise(cmd, run_dir, port if args.serve else None, token)
     if created:
         try:
             run_dir.rmdir()          # only when empty: nothing was watched (the script failed before training)
@@ -554,26 +565,19 @@ def check_module(name: str) -> None:
 
 
 def _new_run_dir(base: Path) -> Path:
+    """A new ``base/<time>[-n]``, created here (its name is predictable: an existing one, a link included, is
+    never taken for it)."""
     import datetime as _dt
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d, n = base / stamp, 1
-    while d.exists():
-        n += 1
-        d = base / f"{stamp}-{n}"
-    return d
-
-
-def child_env() -> dict[str, str]:
-    """This environment, with the checkout on PYTHONPATH when running from one (a child started in
-    another folder must import the same probes and dashboard); an installed copy adds nothing."""
-    from .paths import source_checkout
-
-    env = dict(os.environ)
-    root = source_checkout()
-    if root is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    return env
+    for n in range(1, 1000):
+        d = base / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{base}/{stamp}-*: a thousand of them exist")
 
 
 def _terminal_sent_it() -> bool:
@@ -593,21 +597,22 @@ def _status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None) -> int:
+def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None, token: str | None = None) -> int:
     """Run the training child; forward SIGINT/SIGTERM to it; with ``serve_port``, run the
-    dashboard as a second child that stays up after the training until Ctrl-C (or SIGTERM)."""
-    env = child_env()
+    dashboard as a second child that stays up after the training until Ctrl-C (or SIGTERM), its token (if any)
+    in its environment (children.py: the environment is this one's, nothing added to the path)."""
     server = None
     if serve_port is not None:
         from .demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
-            [sys.executable, "-m", "dashboard.cli", "serve", "--run", str(run_dir), "--host", "127.0.0.1",
-             "--port", str(serve_port)], env=env, stdout=sys.stderr, start_new_session=True,
+            python_command("dashboard.cli", ["serve", "--run", str(run_dir), "--host", "127.0.0.1",
+                                             "--port", str(serve_port)]),
+            env=token_env(os.environ, token), stdout=sys.stderr, start_new_session=True,
             # no thread runs yet in this process: preexec_fn is safe here
             preexec_fn=die_with_parent())  # noqa: PLW1509  (see demo.start_demo)
-    child = subprocess.Popen(cmd, env=env)
+    child = subprocess.Popen(cmd)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if child.poll() is None and not (signum == signal.SIGINT and _terminal_sent_it()):

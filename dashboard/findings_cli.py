@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.schema import SEVERITY_ORDER, Severity, display_path
+from probes.schema import SEVERITY_ORDER, Severity, display_path, printable
 
 from .data import StoreError
 from .run import Run, RunDir, merge_findings
@@ -145,4 +145,4 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
         for c in explained.get((f["run"], f["code"], f["path"]), []):
             lines.append(f"        explains: {c['severity']} {c['code']}  {display_path(c['path'])}"
                          f"{'  (' + span(c) + ')' if span(c) else ''}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)      # names and messages are the model's, or a store's

@@ -55,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .api import process_rank, watch, watcher_of
 from .capture import hide_global_hook_warning, restore_warning_filters
+from .schema import printable
 from .structure import unwrap
 from .watcher import Watcher
 
@@ -325,7 +326,7 @@ class AutoWatch:
 
     def _say(self, line: str) -> None:
         try:
-            print(line, file=self._out or sys.stderr, flush=True)
+            print(printable(line), file=self._out or sys.stderr, flush=True)
         except Exception:
             pass
 

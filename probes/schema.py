@@ -40,8 +40,8 @@ __all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDG
            "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
            "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
            "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
-           "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
-           "status_path", "store_filename"]
+           "normalize_path", "overhead_option", "parse_store_filename", "printable", "read_status", "runtime_label",
+           "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -267,6 +267,17 @@ ROOT_DISPLAY = "<root>"
 def display_path(path: str) -> str:
     """A path as shown to people: the root (``""``) is ``<root>``."""
     return path or ROOT_DISPLAY
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: what is not printable (control characters such as ESC, which could move the cursor,
+    recolour or retitle the terminal; bidirectional overrides; line separators) escaped as ``\\xNN`` / ``\\uNNNN``.
+    Module names, paths and messages come from the user's model and from store files of others."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else
+                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000
+                   else f"\\U{ord(c):08x}" for c in text)
 
 
 def attr_path(prefix: str, name: str) -> str:
