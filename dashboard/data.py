@@ -64,6 +64,7 @@ REMOVED = "removed"          # what a module (or tensor) no longer part of the m
 # Row limits (each query says how many rows it may return).
 MAX_CHILDREN = 500          # children of one expanded node
 MAX_SEARCH = 200            # search / filter results
+MAX_DEPTH = 2048            # levels walked up the module tree (in SQL; torch itself nests about 1,000 at most)
 MAX_FINDINGS = 2000
 MAX_PARAMS = 1000           # parameter table of one module
 MAX_POINTS = 1500           # points of one time series (downsampled above that)
@@ -813,7 +814,7 @@ class Store:
         """Children of one node that are part of the model now (registered first, in id order), and ``also``
         (a module id, or several: the one selected and its ancestors) when it is a child no longer part of it (the
         one selected, drawn where it was, under its parent removed with it); ``more`` counts the rest."""
-        extra = [] if also is None else [also] if isinstance(also, int) else sorted({int(i) for i in also})[:256]
+        extra = [] if also is None else [also] if isinstance(also, int) else sorted({int(i) for i in also})[:MAX_DEPTH]
         marks = ", ".join(["?"] * len(extra)) or "-1"
         where = f"rank = ? AND parent_id = ? AND ({self._current('modules')} OR module_id IN ({marks}))"
         args = (rank, parent_id, *extra)
@@ -830,9 +831,9 @@ class Store:
             "WITH RECURSIVE up(id, parent, lvl) AS ("
             " SELECT module_id, parent_id, 0 FROM modules WHERE rank = ? AND module_id = ?"
             " UNION ALL SELECT m.module_id, m.parent_id, up.lvl + 1 FROM modules m"
-            " JOIN up ON m.rank = ? AND m.module_id = up.parent WHERE up.lvl < 256)"
-            " SELECT id, lvl FROM up WHERE lvl > 0 ORDER BY lvl DESC LIMIT 300",
-            (rank, module_id, rank), limit=300)
+            " JOIN up ON m.rank = ? AND m.module_id = up.parent WHERE up.lvl < ?)"
+            " SELECT id, lvl FROM up WHERE lvl > 0 ORDER BY lvl DESC LIMIT ?",
+            (rank, module_id, rank, MAX_DEPTH, MAX_DEPTH), limit=MAX_DEPTH)
         return [int(r["id"]) for r in rows]
 
     def search_modules(self, rank: int = 0, text: str = "", code: str | None = None,
@@ -884,9 +885,9 @@ class Store:
             "  ON m0.rank = f.rank AND m0.module_id = f.module_id"
             f"  WHERE f.rank = ? AND f.active = 1 AND {self._current('modules', 'm0')}"
             " UNION ALL SELECT m.parent_id, up.sev, up.lvl + 1 FROM up JOIN modules m"
-            "  ON m.rank = ? AND m.module_id = up.id WHERE m.parent_id IS NOT NULL AND up.lvl < 256)"
+            "  ON m.rank = ? AND m.module_id = up.id WHERE m.parent_id IS NOT NULL AND up.lvl < ?)"
             " SELECT id, sev, COUNT(*) AS n FROM up GROUP BY id, sev LIMIT 100000",
-            (rank, rank), limit=100000)
+            (rank, rank, MAX_DEPTH), limit=100000)
         out: dict[int, dict[str, int]] = {}
         for r in rows:
             out.setdefault(int(r["id"]), {})[str(r["sev"])] = int(r["n"])

@@ -25,6 +25,7 @@ from .paths import assets_dir
 from .run import Run, RunDir, as_run_dir, format_ranks, others_note
 
 MAX_TREE_NODES = 5000
+MAX_NESTED_DEPTH = 48      # levels of the report's tree drawn nested
 MAX_CHART_MODULES = 8
 ASSETS = assets_dir()
 
@@ -75,7 +76,9 @@ def _tree_html(store: Store, rank: int) -> str:
 
 def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths: bool = False) -> str:
     """``mods`` as trees (a module whose parent is not among them is a root: labelled by its path with
-    ``full_paths``)."""
+    ``full_paths``). Built with a stack, not recursion: a model may be nested hundreds of modules deep. Below
+    ``MAX_NESTED_DEPTH`` levels a node's descendants are listed flat under it, labelled by their paths (a browser
+    flattens markup nested deeper than a few hundred elements on its own, wherever it likes)."""
     own = store.findings_for_modules(rank, [m["module_id"] for m in mods])
     kids: dict[int, list[dict[str, Any]]] = {}
     roots = []
@@ -86,26 +89,41 @@ def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths
         else:
             kids.setdefault(m["parent_id"], []).append(m)
 
-    def node(m: dict[str, Any], depth: int) -> str:
-        name = display_path(m["path"]) if full_paths and depth == 0 else m["name"] or display_path(m["path"])
+    def label(m: dict[str, Any], by_path: bool) -> str:
+        name = display_path(m["path"]) if by_path else m["name"] or display_path(m["path"])
         kind = (f'<span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None
                 else "" if m["kind"] == ModuleKind.REGISTERED
                 else f'<span class="badge kind-{esc(m["kind"])}">{esc(m["kind"])}</span>')
         params = f'<span class="tree-params">{m["params_total"]:,} params</span>' if m["params_total"] else ""
         badges = _badges(own.get(m["module_id"], []), m["kind"])
-        label = (f'<span class="tree-label mono">{esc(name)}</span>'
-                 f'<span class="tree-type">{esc(m["type"])}</span>{kind}{badges}{params}')
-        children = kids.get(m["module_id"], [])
-        if not children:
-            return f'<li class="leaf kind-{esc(m["kind"])}">{label}</li>'
-        inner = "".join(node(c, depth + 1) for c in children)
-        opened = " open" if depth < 2 else ""
-        return (f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{label}</summary>'
-                f'<ul>{inner}</ul></details></li>')
+        return (f'<span class="tree-label mono">{esc(name)}</span>'
+                f'<span class="tree-type">{esc(m["type"])}</span>{kind}{badges}{params}')
 
-    body = "".join(node(r, 0) for r in roots)
-    return f'<ul class="report-tree">{body}</ul>'
+    out: list[str] = []
+    flattened = False
+    # items: a module and its depth, or the markup that closes a node once its children are written
+    stack: list[tuple[dict[str, Any], int] | str] = [(r, 0) for r in reversed(roots)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        m, depth = item
+        children = kids.get(m["module_id"], [])
+        text = label(m, (full_paths and depth == 0) or depth > MAX_NESTED_DEPTH)
+        if not children or depth >= MAX_NESTED_DEPTH:
+            out.append(f'<li class="{"leaf " if not children else ""}kind-{esc(m["kind"])}">{text}</li>')
+            flattened = flattened or bool(children)
+            stack.extend((c, depth + 1) for c in reversed(children))     # written after it, at its level
+            continue
+        opened = " open" if depth < 2 else ""
+        out.append(f'<li class="kind-{esc(m["kind"])}"><details{opened}><summary>{text}</summary><ul>')
+        stack.append("</ul></details></li>")
+        stack.extend((c, depth + 1) for c in reversed(children))
+    note = (f'<p class="muted">Modules more than {MAX_NESTED_DEPTH} levels deep are listed under their ancestor '
+            "at that level, by path.</p>" if flattened else "")
+    return f'<ul class="report-tree">{"".join(out)}</ul>{note}'
 
 
 def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> str:

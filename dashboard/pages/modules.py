@@ -39,6 +39,7 @@ from ..poll import Tick, callback, plural, reads_store, view_of
 from ..run import Run, fold_causes, format_ranks
 
 MAX_VISIBLE_ROWS = 2000
+MAX_INDENT_LEVELS = 48      # deeper rows are indented no further (their aria-level still says how deep)
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
 DETAIL_HEAT_COLUMNS = 150
 # Charts wait laid out but invisible (not display:none, so plotly sizes them once, up front).
@@ -120,7 +121,7 @@ def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: 
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
         "level": 1 if show_path else m["depth"] + 1,          # aria-level (a flat search result: 1)
-        "indent": round(0.4 + (0 if show_path else m["depth"]) * 1.1, 2),
+        "indent": round(0.4 + (0 if show_path else min(m["depth"], MAX_INDENT_LEVELS)) * 1.1, 2),
         "kind_title": gone or KIND_TITLES.get(m["kind"], ""),
         "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],
         "inside": pill,
