@@ -848,9 +848,11 @@ class Store:
             where.append("(m.path LIKE ? ESCAPE '\\' OR m.type LIKE ? ESCAPE '\\')")
             params += [f"%{esc}%", f"%{esc}%"]
         if code:
-            where.append("EXISTS (SELECT 1 FROM findings f WHERE f.rank = m.rank "
-                         "AND f.module_id = m.module_id AND f.code = ? AND f.active = 1)")
-            params.append(code)
+            # not correlated: the findings of the code are read once (by the key's (rank, code) prefix) and each
+            # module is looked up in that list; EXISTS per module scanned them all for every module
+            where.append("m.module_id IN (SELECT f.module_id FROM findings f WHERE f.rank = ? AND f.code = ? "
+                         "AND f.active = 1 AND f.module_id IS NOT NULL)")
+            params += [rank, code]
         # modules no longer part of the model are found too (marked by their removed_step), after those that are
         rows = self._query(f"SELECT {self._select('modules', self._MODULE_COLS, 'm')} "
                            f"FROM modules m WHERE {' AND '.join(where)} "
@@ -939,6 +941,12 @@ class Store:
             d["evidence"] = _loads(d["evidence"], d["evidence"])
             out.append(d)
         return out
+
+    def count_findings(self, rank: int = 0, *, active: bool | None = True) -> int:
+        """How many findings ``rank`` holds (``findings`` reads ``MAX_FINDINGS`` at most: caps.py says the rest)."""
+        row = self._one("SELECT COUNT(*) AS n FROM findings WHERE rank = ?" + ("" if active is None else
+                        " AND active = ?"), (rank,) if active is None else (rank, 1 if active else 0))
+        return int(row["n"]) if row is not None else 0
 
     def finding_codes(self, rank: int = 0) -> list[str]:
         return [str(r["code"]) for r in self._query(
