@@ -464,10 +464,13 @@ def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
         if value is not None:
             check_store_target(option, value)
     try:
-        found = fc.collect(fc.open_runs(run=args.run, snapshot=args.snapshot), rank=args.rank)
+        runs = fc.open_runs(run=args.run, snapshot=args.snapshot)
+        found, notes = fc.collect(runs, rank=args.rank), fc.cap_notes(runs, rank=args.rank)
     except fc.FindingsError as exc:
         fail(str(exc))
-    print(fc.format_json(found) if args.json else fc.format_text(found, str(args.run or args.snapshot)))
+    print(fc.format_json(found) if args.json else fc.format_text(found, str(args.run or args.snapshot), notes))
+    if args.json and notes:
+        print("\n".join(f"modscope: note: {n}" for n in notes), file=sys.stderr)     # stdout stays JSON
     return fc.exit_status(found, args.fail_on)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from probes.schema import SEVERITY_ORDER, Severity, display_path, printable
 
+from .caps import FindingsCap, findings_cap
 from .data import StoreError
 from .run import Run, RunDir, merge_findings
 
@@ -92,6 +93,23 @@ def _as_json(f: Mapping[str, Any], run_id: str) -> dict[str, Any]:
             "cause": cause, "run": run_id}
 
 
+def cap_notes(runs: Sequence[Run], rank: int | None = None) -> list[str]:
+    """One line per run whose findings were more than a read takes (caps.py): how many more there were."""
+    notes = []
+    try:
+        for run in runs:
+            cap = findings_cap(run)
+            if cap is not None and rank is not None:
+                cap = FindingsCap(cap.limit, {r: n for r, n in cap.totals.items() if r == rank}) \
+                    if rank in cap.totals else None
+            if cap is not None:
+                notes.append(printable(f"{cap.text()}" + (f" (run {run.run_id() or run.label_id()})"
+                                                            if len(runs) > 1 else "")))
+    except StoreError as exc:
+        raise FindingsError(str(exc)) from None
+    return notes
+
+
 def exit_status(findings: Iterable[dict[str, Any]], fail_on: str | None) -> int:
     """1 when a finding at ``fail_on`` or worse exists (``error`` < ``warning`` < ``info``), else 0."""
     if fail_on is None:
@@ -104,10 +122,10 @@ def format_json(findings: Sequence[dict[str, Any]]) -> str:
     return json.dumps(list(findings), indent=2)
 
 
-def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
+def format_text(findings: Sequence[dict[str, Any]], where: str, notes: Sequence[str] = ()) -> str:
     """One block per root cause (severity, code, path, ranks and steps; the message; the fix), with one line
     per finding it explains under it (the layers of a plain list do not update *because* they are
-    unregistered: the fix is the cause's), after a one-line count."""
+    unregistered: the fix is the cause's), after a one-line count and the ``notes`` (cap_notes)."""
     counts = {level: sum(1 for f in findings if f["severity"] == level) for level in LEVELS}
     runs = sorted({f["run"] for f in findings})
     keys = {(f["run"], f["code"], f["path"]) for f in findings}
@@ -127,6 +145,7 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
     lines = [f"{where}: {head}" + (f" in {len(runs)} runs" if len(runs) > 1 else "")]
     if not findings:
         lines[0] = f"{where}: no active findings"
+    lines += [f"note: {n}" for n in notes]
 
     def span(f: Mapping[str, Any]) -> str:
         steps = f["steps"]

@@ -19,6 +19,7 @@ from plotly.offline import get_plotlyjs
 from probes.schema import ModuleKind, Severity, display_path
 
 from . import figures
+from .caps import findings_cap
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
 from .data import REMOVED, Store, status_text
 from .paths import assets_dir
@@ -216,6 +217,8 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
         ov["status"] = status_text(states[rank]) + (f" · {note}" if note else "")
     merged = run.findings_merged(active=True, rank=rank)
     roots = run.folded_findings(active=True, rank=rank)
+    cap = findings_cap(run)
+    cap_note = f'<p class="muted findings-cap">{esc(cap.text())}</p>' if cap else ""
     several = len(run.ranks()) > 1
     charts = [_fig_html(figures.loss_figure(store.loss_series(rank)), "chart-loss")]
     chart_mods = []
@@ -268,7 +271,7 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 {ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>
 <section class="panel" id="findings"><h2>Findings ({len(roots)} root causes, {len(merged)} in all)</h2>
-{_findings_html(roots, several)}</section>
+{cap_note}{_findings_html(roots, several)}</section>
 <section class="panel" id="tree"><h2>Module tree{tree_rank}</h2>{_tree_html(store, rank)}</section>
 <section class="panel" id="modules"><h2>Module charts{tree_rank}</h2>{''.join(module_sections)}</section>
 </main></body></html>
