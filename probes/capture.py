@@ -23,11 +23,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import batch, frozen, measure, tensor_stats
 from .guard import RAISE_PROBE_ERRORS, ProbeRuntime
-from .hooks import HeldHook
+from .hooks import Removable, hold
 from .model_index import ModelIndex
 from .runtime_modules import ForwardSightings, RuntimeModules
 from .schema import TensorKind
@@ -202,7 +201,7 @@ class StepRecord:
     sightings: ForwardSightings = dataclasses.field(default_factory=ForwardSightings)
     # id() of every module of the model as it is now, made once a step when a module the index does not know runs
     registered: set[int] | None = None
-    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    handles: list[Removable] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
     # leaves given a gradient-hook dict of our own (they had none): (tensor, the dict)
     own_hook_dicts: list[tuple[torch.Tensor, GradHookDict]] = dataclasses.field(default_factory=list)
@@ -210,7 +209,7 @@ class StepRecord:
     # hooks on torch.compile wrappers, and the stances those hooks entered (innermost last)
     compiled_calls: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
     compiled_methods: list[tuple[nn.Module, str, Any]] = dataclasses.field(default_factory=list)
-    eager_handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    eager_handles: list[Removable] = dataclasses.field(default_factory=list)
     stances: list[Any] = dataclasses.field(default_factory=list)
     warning_filter: Any = None   # the filter that hides torch's warning about our global hooks, while they exist
     # output -> (slot, the output itself, weakly): wrappers returning a child's very output share its row; the
@@ -344,13 +343,13 @@ class StepCapture:
             self._run_eagerly(rec)
         if self.called_from_compiled and _HAS_STANCE:
             rec.stances.append(torch.compiler.set_stance("force_eager"))    # undone at detach()
-        trigger = HeldHook(self._eager(self.on_trigger))
+        trigger = self._eager(self.on_trigger)
         if self._top_level is None or self._top_level[0] is not index:
             # a TorchScript module refuses per-module hooks; the global hooks still see its calls
             self._top_level = (index, [m for m in index.top_level_modules()
                                        if not isinstance(m, torch.jit.ScriptModule)])
         for module in self._top_level[1]:
-            rec.handles.append(module.register_forward_pre_hook(trigger))
+            rec.handles.append(hold(module.register_forward_pre_hook, trigger))
 
     def detach(self) -> StepRecord | None:
         """Remove every hook of the step; returns what it gathered."""
@@ -419,8 +418,8 @@ class StepCapture:
                 rec.compiled_methods.append((module, name, compiled))
         if _HAS_STANCE:
             for wrapper in self.compiled.wrappers:
-                rec.eager_handles.append(wrapper.register_forward_pre_hook(HeldHook(self._enter_eager)))
-                rec.eager_handles.append(wrapper.register_forward_hook(HeldHook(self._exit_eager), always_call=True))
+                rec.eager_handles.append(hold(wrapper.register_forward_pre_hook, self._enter_eager))
+                rec.eager_handles.append(hold(wrapper.register_forward_hook, self._exit_eager, always_call=True))
 
     def _enter_eager(self, module: nn.Module, args: Any) -> None:
         rec = self.record
