@@ -97,8 +97,12 @@ def _option(text: str, convert: Callable[[str], _N], ok: Callable[[_N], bool], e
     return value
 
 
+MAX_EVERY = 1_000_000         # the longest sampling interval (probes/limits.py: watch()'s other limits)
+
+
 def every_option(text: str) -> int:
-    return _option(text, int, lambda v: v >= 1, "a positive integer (sample every N-th step)")
+    return _option(text, int, lambda v: 1 <= v <= MAX_EVERY, f"an integer from 1 to {MAX_EVERY:,} "
+                   "(sample every N-th step)")
 
 
 def overhead_option(text: str) -> float:
