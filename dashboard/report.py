@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +281,19 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 
 
 def write_report(target: Store | RunDir | Run, out: str | Path, rank: int | None = 0) -> Path:
+    """Write the report to a new file next to ``out`` and rename it into place: a link at ``out`` (planted in a
+    folder others can write to) is replaced, never followed, and a failed write leaves no half report."""
     out = Path(out)
-    out.write_text(build_report(target, rank), encoding="utf-8")
+    text = build_report(target, rank)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)          # as an ordinary new file (mkstemp's is private)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return out
