@@ -3,8 +3,8 @@
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
 dashboard/findings_cli.py; ``run`` starts the training script in a child process
-(``python -m probes.autorun``: this process never imports torch) and, with ``--serve``, the
-dashboard in another.
+(``probes.autorun``, started by dashboard/children.py: this process never imports torch) and, with
+``--serve``, the dashboard in another.
 
 Any unusable argument exits with status 2 and one line naming the path and the problem.
 The heavy imports (Dash, the store) are deferred so that ``--help`` stays fast."""
@@ -498,7 +498,7 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
-    """``modscope run``: the script runs in a child process (``python -m probes.autorun``), so that
+    """``modscope run``: the script runs in a child process (``probes.autorun``: children.py), so that
     this process never imports torch and the dashboard (``--serve``) never enters the training."""
     ours, target = split_run_argv(argv)
     p = _Parser(prog=f"{prog} run", usage=f"{prog} run {COMMANDS['run']}", description=ABOUT["run"],
