@@ -197,7 +197,7 @@ def _watch_demo(proc: subprocess.Popen[Any], log_dir: Path) -> None:
     def watch() -> None:
         code = proc.wait()
         if code not in (0, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL):     # stop_demo's signals
-            print(f"modscope: demo training exited with code {code} (log: {log_dir}/demo.log)",
+            print(printable(f"modscope: demo training exited with code {code} (log: {log_dir}/demo.log)"),
                   file=sys.stderr, flush=True)
     threading.Thread(target=watch, daemon=True).start()
 
