@@ -23,7 +23,7 @@ def check_every(every: object) -> int | None:
 
 def check_overhead(overhead: object) -> float:
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
-        raise ValueError(f"overhead must be a fraction in (0, 1] (0.01 = 1% of the step time), got {overhead!r:.80}")
+        raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r:.80}")
     return float(overhead)
 
 
