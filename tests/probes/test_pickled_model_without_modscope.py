@@ -97,7 +97,7 @@ def test_a_model_saved_while_watched_loads_without_modscope(tmp_path, monkeypatc
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, check=False)
     assert r.returncode == 0, r.stderr
-    loaded = dict((line.split()[0], line.split()[1:]) for line in r.stdout.splitlines())
+    loaded = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
     assert loaded["between.pt"] == ["0", expected]              # no hook, the same output as the watched model's
     assert loaded["inside.pt"][0] == "0"
     # what watching changed in pickling is undone by close()
