@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench import synth_store
-from dashboard.data import MAX_SEARCH, Store
+from dashboard.read.store import MAX_SEARCH, Store
 
 # the form search_modules had: EXISTS per module, which read every finding of the code for every module
 CORRELATED = ("SELECT m.module_id FROM modules m WHERE m.rank = ? AND EXISTS (SELECT 1 FROM findings f "

@@ -32,8 +32,8 @@ from typing import Any
 
 __all__ = ["ipython_shell", "on_cell_end", "show", "stop_all"]
 
-TOKEN_ENV = "MODSCOPE_TOKEN"  # the dashboard's token, as dashboard/token_source.py reads it
-MIN_TOKEN_LENGTH = 16         # dashboard/security.py's rule: 16 or more URL-safe characters
+TOKEN_ENV = "MODSCOPE_TOKEN"  # the dashboard's token, as dashboard/web/token_source.py reads it
+MIN_TOKEN_LENGTH = 16         # dashboard/web/security.py's rule: 16 or more URL-safe characters
 _TOKEN_CHARS = re.compile(r"^[A-Za-z0-9._~-]+$")
 MAX_HEIGHT = 10_000           # pixels of the frame
 START_TIMEOUT_S = 60.0        # how long show() waits for the dashboard to answer (a cold start imports Dash)
@@ -170,7 +170,7 @@ def _child_env(token: str | None) -> dict[str, str]:
 def _dashboard_command(args: list[str]) -> list[str]:
     """``python -c BOOT ARGS`` running ``dashboard.cli``: modscope's own packages first on the path (the kernel's
     working folder, which ``python -m`` would put first, may hold a ``dashboard/`` or an ``argparse.py`` of the
-    user's; dashboard/children.py does the same for ``modscope run``)."""
+    user's; dashboard/commands/children.py does the same for ``modscope run``)."""
     root = str(Path(__file__).resolve().parent.parent)
     boot = (f"import sys; sys.path[0:0 if getattr(sys.flags, 'safe_path', False) else 1] = [{root!r}]; "
             "from dashboard.cli import main; sys.exit(main())")

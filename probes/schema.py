@@ -19,13 +19,14 @@ import re
 import sqlite3
 import stat
 import sys
-import time
-import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from .store_copy import Column, SchemaAudit
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -36,15 +37,17 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
-           "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
-           "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
-           "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
-           "normalize_path", "overhead_option", "parse_store_filename", "printable", "read_status", "runtime_label",
-           "snapshot", "status_path", "store_filename"]
+__all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES",
+           "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER",
+           "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum",
+           "TensorKind", "UntrustedStoreError", "WriterState", "WriterStatus", "code_label", "contract_columns",
+           "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "guard_reads",
+           "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename", "printable",
+           "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
+MAX_VALUE_BYTES = 1_000_000   # the longest string or blob in a store: readers let SQLite build nothing longer
 
 # ---------------------------------------------------------------------------------- file names
 # A run directory holds one store per (run, rank): ``modscope-<run_id>-rank<R>.sqlite``, each with a
@@ -83,7 +86,7 @@ def parse_store_filename(name: str) -> StoreName | None:
 
 
 # ---------------------------------------------------------------------------------- sampling options
-# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.autorun`) read them
+# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.launch.autorun`) read them
 _N = TypeVar("_N", int, float)
 
 
@@ -436,6 +439,10 @@ CREATE TABLE IF NOT EXISTS params (
     moved         INTEGER,           -- 1 once an update changed it, 0 if observed unchanged, NULL unknown
     removed_step  INTEGER,           -- v4: as modules.removed_step (NULL: current); its owner's new module's
                                      -- tensors have new ids
+    close_fingerprint REAL,          -- v5: its fingerprint (as param_stats.fingerprint) when the watcher closed, after
+                                     -- the optimizer step of ranks.step: replicas compare it however rarely they
+                                     -- sampled (NULL: one process, or not closed)
+    close_data_norm   REAL,          -- v5: its data norm then
     PRIMARY KEY (rank, param_id)
 );
 CREATE INDEX IF NOT EXISTS params_by_module ON params(rank, module_id);
@@ -447,6 +454,9 @@ CREATE TABLE IF NOT EXISTS steps (
     step_ms   REAL,                  -- wall time of the step
     probe_ms  REAL,                  -- time spent inside modscope during the step
     sampled   INTEGER NOT NULL,      -- 1 when module/param statistics were taken
+    compute_ms REAL,                 -- v5: this rank's own time of the step: step_ms less the time its backward
+                                     -- waited for the other ranks' gradients and the optimizer step's own time
+                                     -- (closure calls in it count); NULL: one process
     PRIMARY KEY (rank, step)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS module_stats (
@@ -534,7 +544,8 @@ ADDED_TABLES: MappingProxyType[str, int] = MappingProxyType({"param_series": 5})
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
     "ranks": (("write_errors", "0"), ("last_error", "NULL"), ("next_sample", "NULL")),
     "modules": (("removed_step", "NULL"),),
-    "params": (("removed_step", "NULL"),),
+    "params": (("removed_step", "NULL"), ("close_fingerprint", "NULL"), ("close_data_norm", "NULL")),
+    "steps": (("compute_ms", "NULL"),),
     "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
     "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
 })
@@ -599,62 +610,25 @@ def _read_regular(path: Path, limit: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------------- snapshots
-def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> Path:
-    """A consistent single-file copy of the stores of one run (its ranks), never a pickle: the first by
-    SQLite's backup API, the others' rows in one read transaction each (each rank as of one instant); one
-    file (rollback journal), its meta says of what and when; renamed into place complete or not at all."""
-    paths = [Path(p) for p in sources]
-    if not paths:
-        raise ValueError("snapshot needs at least one store")
-    dest = Path(dest)
-    if dest.is_dir():
-        raise ValueError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".partial")
-    tmp.unlink(missing_ok=True)
-    try:
-        src = sqlite3.connect(_read_only_uri(paths[0]), uri=True, timeout=30)
-        dst = sqlite3.connect(str(tmp))
-        try:
-            src.backup(dst)
-        finally:
-            src.close()
-        try:
-            dst.execute("PRAGMA journal_mode=DELETE")
-            for i, extra in enumerate(paths[1:]):
-                _merge_into(dst, extra, f"src{i}")
-            dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('snapshot_of', ?), ('snapshot_at', ?)",
-                        (json.dumps([str(p) for p in paths] if len(paths) > 1 else str(paths[0])),
-                         json.dumps(time.time())))
-            dst.commit()
-        finally:
-            dst.close()
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+class UntrustedStoreError(ValueError):
+    """A store modscope will not read or copy as it is: one line naming the file and the object."""
 
 
-def _read_only_uri(path: Path) -> str:
-    return f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str], *,
+             timeout_s: float | None = None) -> Path:
+    """The stores of one run as one new file made from ``DDL`` (never a pickle): ``probes/store_copy.py``."""
+    from .store_copy import SNAPSHOT_TIMEOUT_S, copy_stores
+    return copy_stores(sources, dest, timeout_s=SNAPSHOT_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
-def _merge_into(dst: sqlite3.Connection, path: Path, alias: str) -> None:
-    """Add every row of the store at ``path`` (another rank) to ``dst``, in one read transaction."""
-    dst.execute(f"ATTACH DATABASE ? AS {alias}", (_read_only_uri(path),))
-    try:
-        dst.execute("BEGIN")
-        for table in TABLES:
-            mine = [r[1] for r in dst.execute(f"PRAGMA main.table_info({table})")]
-            theirs = {r[1] for r in dst.execute(f"PRAGMA {alias}.table_info({table})")}
-            cols = ", ".join(c for c in mine if c in theirs)
-            if not cols:
-                continue
-            verb = "INSERT OR IGNORE" if table == "meta" else "INSERT OR REPLACE"
-            dst.execute(f"{verb} INTO main.{table} ({cols}) SELECT {cols} FROM {alias}.{table}")
-        dst.execute("COMMIT")
-    finally:
-        if dst.in_transaction:
-            dst.execute("ROLLBACK")
-        dst.execute(f"DETACH DATABASE {alias}")
+def guard_reads(conn: sqlite3.Connection, where: object) -> SchemaAudit:
+    """Bound a reader's ``conn`` and audit its store's schema (UntrustedStoreError: ``probes/store_copy.py``)."""
+    from .store_copy import audit, limit_reads
+    limit_reads(conn)
+    return audit(conn, where)
+
+
+def contract_columns() -> Mapping[str, tuple[Column, ...]]:
+    """Each table's columns as ``DDL`` declares them (name, type, not null, key, JSON kind)."""
+    from .store_copy import contract
+    return contract().columns

@@ -7,7 +7,7 @@ import pytest
 from browser_helpers import click, wait_text
 
 from bench import synth_store
-from dashboard.data import MAX_FINDINGS
+from dashboard.read.store import MAX_FINDINGS
 
 pytestmark = pytest.mark.browser
 

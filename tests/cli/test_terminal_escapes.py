@@ -76,7 +76,7 @@ def test_a_finding_prints_escaped(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from probes.findings import make
+        from probes.findings.finding import make
         print(make("unregistered-module", "blocks\\x1b[2J[0]", "held in a plain list\\x07"))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -145,9 +145,9 @@ def test_run_serve_passes_the_token_to_no_command_line(tmp_path, token_file):
         lines = [cmdline(pid) for pid in [proc.pid, *kids]]
         assert all(TOKEN not in line for line in lines), lines
         assert any("dashboard.cli" in line and "serve" in line for line in lines)
-        assert any("probes.autorun" in line and "train.py" in line for line in lines)
+        assert any("probes.launch.autorun" in line and "train.py" in line for line in lines)
         # the training child gets no token it did not have: only the dashboard's environment holds it
-        training = next(pid for pid in kids if "probes.autorun" in cmdline(pid))
+        training = next(pid for pid in kids if "probes.launch.autorun" in cmdline(pid))
         assert b"MODSCOPE_TOKEN=" not in Path(f"/proc/{training}/environ").read_bytes()
         assert_requires_token(port)
     finally:

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import probes
-from dashboard.data import Store
-from dashboard.pages import modules as modules_page
-from dashboard.run import RunDir
+from dashboard.read.run import RunDir
+from dashboard.read.store import Store
+from dashboard.web.pages import modules as modules_page
 
 REPO = Path(__file__).resolve().parents[2]
 DEPTH = 500

@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from bench import synth_store
-from dashboard.data import Store
+from dashboard.read.store import Store
 
 
 def store_with_findings(path: Path) -> tuple[Store, dict[str, set[int]]]:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from bench import synth_store
-from dashboard.caps import findings_cap
-from dashboard.data import MAX_FINDINGS
-from dashboard.pages import findings as findings_page
-from dashboard.report import build_report
-from dashboard.run import RunDir
+from dashboard.read.caps import findings_cap
+from dashboard.read.run import RunDir
+from dashboard.read.store import MAX_FINDINGS
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.report import build_report
 
 REPO = Path(__file__).resolve().parents[2]
 MORE = 350

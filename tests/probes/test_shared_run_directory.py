@@ -1,11 +1,13 @@
 """A run directory other users can write to (a shared job folder): the store's name is predictable
 (``MODSCOPE_RUN_ID``, torchrun), so another user can plant a symbolic link at the store, ``<store>.status`` or
-``<store>.lock`` (or a named pipe, or a hard link) before the training starts. modscope never follows one, never
+``<store>.lock`` (or a named pipe, or a hard link) before the training starts, or at a snapshot's temporary
+``<file>.partial``. modscope never follows one, never
 writes into what it did not create, never removes it, and says so in one line; the link's target is unchanged."""
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -17,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import probes
-from probes.rundir import RunDirError
-from probes.schema import LOCK_SUFFIX, STATUS_SUFFIX, read_status, store_filename
-from probes.store import StoreError, StoreWriter
+from probes import store_copy
+from probes.schema import LOCK_SUFFIX, STATUS_SUFFIX, UntrustedStoreError, read_status, store_filename
+from probes.store.rundir import RunDirError
+from probes.store.writer import StoreError, StoreWriter
 
 REPO = Path(__file__).resolve().parents[2]
 PRECIOUS = b"the user's own file: must never change\n"
@@ -134,3 +137,80 @@ def test_the_dashboard_reads_no_status_through_a_pipe_or_a_link(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(store), str(other)], cwd=str(REPO), capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.split() == ["None", "None"], r.stderr
+
+
+# -- w.snapshot(): its temporary file, beside the snapshot, in a folder others may write to ---------------------------
+def watched(run_dir: Path) -> tuple[probes.Watcher, nn.Module]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = probes.watch(model, opt, run_dir=run_dir, every=1)
+    for _ in range(3):
+        loss = F.mse_loss(model(torch.randn(16, 4)), torch.zeros(16, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return w, model
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_link_planted_at_the_snapshots_temporary_file_is_not_followed(shared, tmp_path, dangling):
+    run_dir, _, victim = shared
+    target = tmp_path / "home" / "created-by-the-link" if dangling else victim
+    dest = run_dir / "review.sqlite"
+    planted = Path(f"{dest}.partial")
+    planted.symlink_to(target)
+    w, _ = watched(run_dir)
+    try:
+        with pytest.raises(UntrustedStoreError) as exc:
+            w.snapshot(dest)
+    finally:
+        w.close()
+    text = str(exc.value)
+    assert "\n" not in text and str(planted) in text and "a symbolic link" in text
+    assert not dest.exists()
+    assert planted.is_symlink() and os.readlink(planted) == str(target)        # left as it was
+    if dangling:
+        assert not target.exists()                                              # nothing created through it
+    else:
+        assert victim.read_bytes() == PRECIOUS
+
+
+def test_a_temporary_file_a_stopped_snapshot_left_is_replaced(shared):
+    run_dir, _, _ = shared
+    dest = run_dir / "review.sqlite"
+    Path(f"{dest}.partial").write_bytes(b"half a snapshot, its writer killed")
+    w, _ = watched(run_dir)
+    try:
+        assert w.snapshot(dest) == dest
+    finally:
+        w.close()
+    assert not Path(f"{dest}.partial").exists()
+    conn = sqlite3.connect(f"file:{dest}?mode=ro", uri=True)
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM modules").fetchone()[0] == 4
+    finally:
+        conn.close()
+
+
+def test_a_link_swapped_in_after_the_temporary_file_was_created_is_refused(shared, monkeypatch):
+    """Between modscope's exclusive create and SQLite's open, another user of a folder without the sticky bit can
+    replace the new file by a link: SQLite would open the link's target. The file SQLite opened is checked first."""
+    run_dir, _, victim = shared
+    real = store_copy._create_partial
+
+    def swapped(dest: Path) -> tuple[Path, int]:
+        tmp, fd = real(dest)
+        os.unlink(tmp)
+        tmp.symlink_to(victim)
+        return tmp, fd
+
+    monkeypatch.setattr(store_copy, "_create_partial", swapped)
+    dest = run_dir / "review.sqlite"
+    w, _ = watched(run_dir)
+    try:
+        with pytest.raises(UntrustedStoreError, match="was replaced while the snapshot opened it"):
+            w.snapshot(dest)
+    finally:
+        w.close()
+    assert victim.read_bytes() == PRECIOUS and not dest.exists()
+    assert Path(f"{dest}.partial").is_symlink()                 # not its own: not removed
