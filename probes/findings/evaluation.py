@@ -18,8 +18,8 @@ import torch
 
 from ..capture import decode, tensor_stats
 from ..capture.decode import ModuleColumns, TensorColumns, Values
+from ..capture.record import StepRecord
 from ..capture.sentinels import ForwardLog
-from ..capture.step import StepRecord
 from ..model.frozen import BlockState
 from ..model.index import ModelIndex
 from ..model.runtime import RuntimeSighting

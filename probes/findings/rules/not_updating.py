@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...schema import FindingCode
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 # significant bits of the low-precision floating types a parameter may be kept in
@@ -74,4 +74,4 @@ class NotUpdating(Rule):
         return make(FindingCode.NOT_UPDATING, path,
                     f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                     f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
-                    evidence=evidence, step=step, fix=fix)
+                    evidence=evidence, seen=Seen(step), fix=fix)
