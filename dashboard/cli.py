@@ -1,5 +1,5 @@
 """The ``modscope`` command line (``python app.py`` in a checkout, ``python -m dashboard.cli``):
-``serve``, ``demo``, ``export``, ``findings`` and ``run``. What serving does once the arguments
+``serve``, ``demo``, ``export``, ``findings``, ``series`` and ``run``. What serving does once the arguments
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
 dashboard/commands/findings.py; ``run`` starts the training script in a child process
@@ -338,6 +338,7 @@ COMMANDS = {
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
     "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
+    "series": "(--run DIR | --snapshot FILE) --metric NAME [--rank R] [-o FILE]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P] [--token-file F]] "
            "(script.py | -m package.module) [ARGS...]",
 }
@@ -347,6 +348,7 @@ ABOUT = {
     "export": "a standalone HTML report of a run or snapshot",
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
     "snapshot": "one store file of a run (every rank) or a snapshot, holding only what modscope writes",
+    "series": "one metric over time (gradient norms, update ratios, activations ...) as a tidy CSV",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
 _SOURCE_FLAGS = ("--run", "--snapshot", "--compare")
@@ -402,6 +404,9 @@ def _dispatch(argv: list[str], prog: str) -> int:
     if cmd == "snapshot":
         from .commands.snapshot import snapshot_main
         return snapshot_main(rest, prog, _Parser)
+    if cmd == "series":
+        from .commands.series import series_main
+        return series_main(rest, prog, _Parser, fail)
     if cmd == "run":
         return run_main(rest, prog)
     if cmd.startswith("-"):

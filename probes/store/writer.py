@@ -291,18 +291,25 @@ class StoreWriter:
         self._thread.join(timeout)
 
     # -- writer thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _start(self) -> sqlite3.Connection | None:
+        """The status file, then the store (a refused status leaves no store behind); None after a failure, which
+        is reported to the constructor, which raises it."""
         try:
             try:
-                self._status = StatusFile(self.path)     # first: a refused status leaves no store behind
+                self._status = StatusFile(self.path)
             except run_files.UnsafeRunFileError as exc:
                 raise StoreError(str(exc)) from None
-            conn = connect_writer(self.path, self.journal)
-        except BaseException as exc:      # reported to the constructor, which raises it
+            return connect_writer(self.path, self.journal)
+        except BaseException as exc:
             if self._status is not None:
                 self._status.close()
             self._startup_error = exc
             self._ready.set()
+            return None
+
+    def _run(self) -> None:
+        conn = self._start()
+        if conn is None:
             return
         self._report()
         self._ready.set()

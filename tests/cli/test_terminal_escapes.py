@@ -51,13 +51,13 @@ def test_control_characters_are_escaped_in_every_line_modscope_prints(tmp_path):
     assert r.returncode == 0, r.stderr
     assert ESC not in r.stderr and ESC not in r.stdout
     assert "modscope: watching Evil\\x1b[2JNet -> runs/\\x1b[31mred" in r.stderr
-    assert "modscope: Evil\\x1b[2JNet: 3 errors" in r.stderr
+    assert "modscope: Evil\\x1b[2JNet: 1 root cause (1 error)" in r.stderr
 
     found = modscope("findings", "--run", run_dir, cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     assert ESC not in found.stdout and "\x07" not in found.stdout
     assert "unregistered-module  blocks\\x1b]0;pwned\\x07[0]" in found.stdout
-    assert "runs/\\x1b[31mred: 3 errors" in found.stdout
+    assert "runs/\\x1b[31mred: 1 root cause (1 error)" in found.stdout
 
     as_json = modscope("findings", "--run", run_dir, "--json", cwd=tmp_path)    # JSON escapes them itself
     assert ESC not in as_json.stdout

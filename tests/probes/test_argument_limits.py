@@ -1,6 +1,6 @@
-"""``probes.watch``'s arguments have documented limits (README, API): beyond them a ValueError names the limit, at
-the call, before anything is attached or written (a 10 MB ``run_name``, ``window=10**9``, ``every=10**7``). The same
-limits hold for the framework callbacks, ``modscope run``'s options and ``show()``."""
+"""``probes.watch``'s arguments have documented limits (docs/usage.md, docs/security.md): beyond them a ValueError
+names the limit, at the call, before anything is attached or written (a 10 MB ``run_name``, ``window=10**9``,
+``every=10**7``). The same limits hold for the framework callbacks, ``modscope run``'s options and ``show()``."""
 
 from __future__ import annotations
 

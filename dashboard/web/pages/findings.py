@@ -21,7 +21,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from probes.schema import Severity
+from probes.schema import Severity, count_text
 
 from ...read.caps import FindingsCap, findings_cap
 from .. import ids
@@ -62,10 +62,12 @@ def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show
         return [*capped, message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
     counts = {s: sum(1 for f in shown if severity_of(f["severity"]) is s) for s in Severity}
     folded = sum(len(f.get("consequences") or []) for f in shown)
-    out: list[Any] = [*capped, html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
-                                html.Span(f"root causes, {plural(folded, 'consequence')} folded under them",
-                                          className="muted") if folded else None],
-                               className="sev-row findings-summary")]
+    # the one count (schema.count_text), as the Overview, the report and the command line say it
+    out: list[Any] = [*capped]
+    out.append(html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
+                         html.Span(count_text({str(s): n for s, n in counts.items()}, folded),
+                                   className="muted findings-count")],
+                        className="sev-row findings-summary"))
     for f in shown[:MAX_SHOWN]:
         out.append(finding_card(f, show_ranks=show_ranks, opens_module=True, opened=opened))
     if len(shown) > MAX_SHOWN:
