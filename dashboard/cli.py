@@ -3,8 +3,8 @@
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
 dashboard/commands/findings.py; ``run`` starts the training script in a child process
-(``python -m probes.launch.autorun``: this process never imports torch) and, with ``--serve``, the
-dashboard in another.
+(``probes.launch.autorun``, started by dashboard/commands/children.py: this process never imports torch) and,
+with ``--serve``, the dashboard in another.
 
 Any unusable argument exits with status 2 and one line naming the path and the problem.
 The heavy imports (Dash, the store) are deferred so that ``--help`` stays fast."""
@@ -24,14 +24,17 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from probes.schema import every_option, overhead_option
+from probes.schema import every_option, overhead_option, printable
+
+from .commands.children import new_run_dir, python_command
+from .web.token_source import add_token_options, chosen_token, run_token, token_env
 
 if TYPE_CHECKING:
     from .web.server import AppConfig
 
 
 def fail(msg: str) -> NoReturn:
-    print(f"modscope: error: {msg}", file=sys.stderr)
+    print(printable(f"modscope: error: {msg}"), file=sys.stderr)     # paths and names as typed: escaped
     raise SystemExit(2)
 
 
@@ -186,7 +189,7 @@ def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: lis
         demo_proc = start_demo(run_dir, demo_args)
     except FileNotFoundError as exc:
         fail(str(exc))
-    print(f"demo training started (pid {demo_proc.pid}), writing to {run_dir}", flush=True)
+    print(printable(f"demo training started (pid {demo_proc.pid}), writing to {run_dir}"), flush=True)
     try:
         return AppConfig(mode="live", store=Store.open_run(run_dir), poll_ms=poll_ms), demo_proc
     except StoreError as exc:
@@ -208,7 +211,7 @@ def _watch_demo(proc: subprocess.Popen[Any], log_dir: Path) -> None:
     def watch() -> None:
         code = proc.wait()
         if code not in (0, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL):     # stop_demo's signals
-            print(f"modscope: demo training exited with code {code} (log: {log_dir}/demo.log)",
+            print(printable(f"modscope: demo training exited with code {code} (log: {log_dir}/demo.log)"),
                   file=sys.stderr, flush=True)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -321,7 +324,7 @@ def export(output: str, *, run: str | None = None, snapshot: str | None = None, 
         fail(str(exc))
     except OSError as exc:
         fail(f"{output}: cannot write ({exc.strerror or exc})")
-    print(f"wrote {out}")
+    print(printable(f"wrote {out}"))
     return 0
 
 
@@ -330,13 +333,14 @@ def export(output: str, *, run: str | None = None, snapshot: str | None = None, 
 # main()). Today's flags without a command (``python app.py --run DIR``) still serve, or start
 # the demo when they name no store.
 COMMANDS = {
-    "serve": "(--run DIR | --snapshot FILE | --compare A B) [--host H] [--port P] [--token T]",
-    "demo": "[--host H] [--port P] [--token T] [--runs-dir DIR] [--demo-arg ARG ...]",
+    "serve": "(--run DIR | --snapshot FILE | --compare A B) [--host H] [--port P] [--token-file F]",
+    "demo": "[--host H] [--port P] [--token-file F] [--runs-dir DIR] [--demo-arg ARG ...]",
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
     "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
     "series": "(--run DIR | --snapshot FILE) --metric NAME [--rank R] [-o FILE]",
-    "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
+    "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P] [--token-file F]] "
+           "(script.py | -m package.module) [ARGS...]",
 }
 ABOUT = {
     "serve": "the dashboard on a run (live), a snapshot (review) or two of them (compare)",
@@ -359,7 +363,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(printable(f"{self.prog}: error: {message}"), file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -424,7 +428,7 @@ def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
         src.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two runs or snapshots")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
-    p.add_argument("--token", help="access token (required, or generated, for a non-loopback host)")
+    add_token_options(p, "access token (required, or generated, for a non-loopback host)")
     p.add_argument("--poll-ms", type=int, default=1000, help="live polling interval in ms (default 1000)")
     if source != "required":
         p.add_argument("--runs-dir", default="runs", help="where the demo writes its run (default ./runs)")
@@ -438,6 +442,7 @@ def serve_main(argv: Sequence[str], prog: str = "modscope", source: str = "requi
     from .commands.demo import DEMO_ARGS
 
     args = serve_parser(prog, source).parse_args(list(argv))
+    args.token = chosen_token(args)
     args.host, args.token = check_serve_args(args.host, args.port, args.token)  # before the demo starts
     check_poll_ms(args.poll_ms)
     demo_proc = None
@@ -483,15 +488,18 @@ def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
         if value is not None:
             check_store_target(option, value)
     try:
-        found = fc.collect(fc.open_runs(run=args.run, snapshot=args.snapshot), rank=args.rank)
+        runs = fc.open_runs(run=args.run, snapshot=args.snapshot)
+        found, notes = fc.collect(runs, rank=args.rank), fc.cap_notes(runs, rank=args.rank)
     except fc.FindingsError as exc:
         fail(str(exc))
-    print(fc.format_json(found) if args.json else fc.format_text(found, str(args.run or args.snapshot)))
+    print(fc.format_json(found) if args.json else fc.format_text(found, str(args.run or args.snapshot), notes))
+    if args.json and notes:
+        print("\n".join(f"modscope: note: {n}" for n in notes), file=sys.stderr)     # stdout stays JSON
     return fc.exit_status(found, args.fail_on)
 
 
 # -------------------------------------------------------------------------------- run
-_RUN_VALUE_OPTIONS = frozenset({"--run-dir", "--every", "--overhead", "--port"})
+_RUN_VALUE_OPTIONS = frozenset({"--run-dir", "--every", "--overhead", "--port", "--token", "--token-file"})
 
 
 def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -514,8 +522,8 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
-    """``modscope run``: the script runs in a child process (``python -m probes.launch.autorun``), so that
-    this process never imports torch and the dashboard (``--serve``) never enters the training."""
+    """``modscope run``: the script runs in a child process (``probes.launch.autorun``: commands/children.py), so
+    that this process never imports torch and the dashboard (``--serve``) never enters the training."""
     ours, target = split_run_argv(argv)
     p = _Parser(prog=f"{prog} run", usage=f"{prog} run {COMMANDS['run']}", description=ABOUT["run"],
                 epilog="Watching starts at an optimizer's third step: the first shows that it exists, the "
@@ -529,6 +537,7 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
                    help="also serve the dashboard on the run (127.0.0.1); it stays up after the training "
                         "ends, until Ctrl-C")
     p.add_argument("--port", type=int, default=None, help="the dashboard's port with --serve (default 8050)")
+    add_token_options(p, "the dashboard's access token with --serve (default: none on 127.0.0.1)")
     args = p.parse_args(ours)
     if not target or (target[0] == "-m" and len(target) < 2):
         p.error("expected a script to run (script.py [ARGS...]) or -m package.module [ARGS...]")
@@ -540,19 +549,22 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
         fail(f"{target[0]}: no such file; expected a Python script to run")
     if args.port is not None and not args.serve:
         fail(f"--port {args.port}: only with --serve (the dashboard's port)")
+    token = run_token(args)
     port = 8050 if args.port is None else args.port
     if args.serve:
         host, _ = check_serve_args("127.0.0.1", port, None)
         check_port(host, port)
-    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(Path("runs"))
+    run_dir = Path(args.run_dir or "runs")
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if not args.run_dir:
+            run_dir, created = new_run_dir(run_dir), True
     except OSError as exc:
         fail(f"--run-dir {run_dir}: cannot create ({exc.strerror or exc})")
     rate_args = ["--every", str(args.every)] if args.every else ["--overhead", repr(args.overhead)]
-    cmd = [sys.executable, "-m", "probes.launch.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
-    status = _supervise(cmd, run_dir, port if args.serve else None)
+    cmd = python_command("probes.launch.autorun", ["--run-dir", str(run_dir), *rate_args, "--", *target])
+    status = _supervise(cmd, run_dir, port if args.serve else None, token)
     if created:
         try:
             run_dir.rmdir()          # only when empty: nothing was watched (the script failed before training)
@@ -577,29 +589,6 @@ def check_module(name: str) -> None:
     fail(f"-m {name}: No module named {top}")
 
 
-def _new_run_dir(base: Path) -> Path:
-    import datetime as _dt
-
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d, n = base / stamp, 1
-    while d.exists():
-        n += 1
-        d = base / f"{stamp}-{n}"
-    return d
-
-
-def child_env() -> dict[str, str]:
-    """This environment, with the checkout on PYTHONPATH when running from one (a child started in
-    another folder must import the same probes and dashboard); an installed copy adds nothing."""
-    from .paths import source_checkout
-
-    env = dict(os.environ)
-    root = source_checkout()
-    if root is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 def _terminal_sent_it() -> bool:
     """True when this process is in the foreground group of its terminal: a Ctrl-C there reached
     the training child (same group) already, and forwarding it would interrupt it twice."""
@@ -617,21 +606,22 @@ def _status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None) -> int:
+def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None, token: str | None = None) -> int:
     """Run the training child; forward SIGINT/SIGTERM to it; with ``serve_port``, run the
-    dashboard as a second child that stays up after the training until Ctrl-C (or SIGTERM)."""
-    env = child_env()
+    dashboard as a second child that stays up after the training until Ctrl-C (or SIGTERM), its token (if any)
+    in its environment (children.py: the environment is this one's, nothing added to the path)."""
     server = None
     if serve_port is not None:
         from .commands.demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
-            [sys.executable, "-m", "dashboard.cli", "serve", "--run", str(run_dir), "--host", "127.0.0.1",
-             "--port", str(serve_port)], env=env, stdout=sys.stderr, start_new_session=True,
+            python_command("dashboard.cli", ["serve", "--run", str(run_dir), "--host", "127.0.0.1",
+                                             "--port", str(serve_port)]),
+            env=token_env(os.environ, token), stdout=sys.stderr, start_new_session=True,
             # no thread runs yet in this process: preexec_fn is safe here
             preexec_fn=die_with_parent())  # noqa: PLW1509  (see demo.start_demo)
-    child = subprocess.Popen(cmd, env=env)
+    child = subprocess.Popen(cmd)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if child.poll() is None and not (signum == signal.SIGINT and _terminal_sent_it()):

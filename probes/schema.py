@@ -36,6 +36,7 @@ from .paths import (
     member_path,
     module_path_candidates,
     normalize_path,
+    printable,
     runtime_label,
 )
 from .writer_status import (
@@ -54,8 +55,8 @@ __all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST
            "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind", "UntrustedStoreError", "WriterState",
            "WriterStatus", "attr_path", "code_label", "contract_columns", "count_text", "decode_hist", "display_path",
            "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path", "member_path",
-           "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename", "read_status",
-           "runtime_label", "snapshot", "status_path", "store_filename"]
+           "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename", "printable",
+           "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -111,8 +112,12 @@ def _option(text: str, convert: Callable[[str], _N], ok: Callable[[_N], bool], e
     return value
 
 
+MAX_EVERY = 1_000_000         # the longest sampling interval (probes/limits.py: watch()'s other limits)
+
+
 def every_option(text: str) -> int:
-    return _option(text, int, lambda v: v >= 1, "a positive integer (sample every N-th step)")
+    return _option(text, int, lambda v: 1 <= v <= MAX_EVERY, f"an integer from 1 to {MAX_EVERY:,} "
+                   "(sample every N-th step)")
 
 
 def overhead_option(text: str) -> float:

@@ -300,12 +300,13 @@ class Watcher:
             self._losses.pending.clear()
             measure.release_caches()
 
-    def show(self, *, height: int = 650) -> str | None:
+    def show(self, *, height: int = 650, token: str | None = None) -> str | None:
         """Show this run's live dashboard inline in a Jupyter notebook and print its URL (see
-        :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1). Calling it again
-        shows the same server again. Returns the URL, or None when the dashboard could not start."""
+        :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1; ``token``, default
+        ``MODSCOPE_TOKEN``, is required on every request). Calling it again shows the same server again.
+        Returns the URL, or None when the dashboard could not start."""
         from .notebook import show
-        return show(self.store_path, height=height)
+        return show(self.store_path, height=height, token=token)
 
     @property
     def closed(self) -> bool:

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.schema import SEVERITY_ORDER, Severity, count_text, display_path
+from probes.schema import SEVERITY_ORDER, Severity, count_text, display_path, printable
 
+from ..read.caps import FindingsCap, findings_cap
 from ..read.run import Run, RunDir, merge_findings
 from ..read.run_folders import run_folders, run_folders_text
 from ..read.store import StoreError
@@ -96,6 +97,23 @@ def _as_json(f: Mapping[str, Any], run_id: str) -> dict[str, Any]:
             "cause": cause, "run": run_id}
 
 
+def cap_notes(runs: Sequence[Run], rank: int | None = None) -> list[str]:
+    """One line per run whose findings were more than a read takes (caps.py): how many more there were."""
+    notes = []
+    try:
+        for run in runs:
+            cap = findings_cap(run)
+            if cap is not None and rank is not None:
+                cap = FindingsCap(cap.limit, {r: n for r, n in cap.totals.items() if r == rank}) \
+                    if rank in cap.totals else None
+            if cap is not None:
+                notes.append(printable(f"{cap.text()}" + (f" (run {run.run_id() or run.label_id()})"
+                                                            if len(runs) > 1 else "")))
+    except StoreError as exc:
+        raise FindingsError(str(exc)) from None
+    return notes
+
+
 def exit_status(findings: Iterable[dict[str, Any]], fail_on: str | None) -> int:
     """1 when a finding at ``fail_on`` or worse exists (``error`` < ``warning`` < ``info``), else 0."""
     if fail_on is None:
@@ -108,11 +126,11 @@ def format_json(findings: Sequence[dict[str, Any]]) -> str:
     return json.dumps(list(findings), indent=2)
 
 
-def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
+def format_text(findings: Sequence[dict[str, Any]], where: str, notes: Sequence[str] = ()) -> str:
     """One block per root cause (severity, code, path, ranks and steps; the message; the fix), with one line
     per finding it explains under it (the layers of a plain list do not update *because* they are
     unregistered: the fix is the cause's), after a one-line count (``schema.count_text``: root causes by
-    severity, then the consequences)."""
+    severity, then the consequences) and the ``notes`` (cap_notes)."""
     runs = sorted({f["run"] for f in findings})
     keys = {(f["run"], f["code"], f["path"]) for f in findings}
 
@@ -130,6 +148,7 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
     lines = [f"{where}: {head}" + (f" in {len(runs)} runs" if len(runs) > 1 else "")]
     if not findings:
         lines[0] = f"{where}: no active findings"
+    lines += [f"note: {n}" for n in notes]
 
     def span(f: Mapping[str, Any]) -> str:
         steps = f["steps"]
@@ -148,4 +167,4 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
         for c in explained.get((f["run"], f["code"], f["path"]), []):
             lines.append(f"        explains: {c['severity']} {c['code']}  {display_path(c['path'])}"
                          f"{'  (' + span(c) + ')' if span(c) else ''}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)      # names and messages are the model's, or a store's

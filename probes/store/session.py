@@ -19,7 +19,7 @@ import torch
 
 from .._version import __version__
 from ..schema import RunStatus, snapshot
-from . import records
+from . import records, run_files
 from .errors import ErrorLog
 from .records import Op
 from .rundir import RunFiles, WriterLock, journal_mode
@@ -46,7 +46,7 @@ class StoreSession:
             self.writer = StoreWriter(files.store, journal=self.journal)
         except BaseException:
             self._lock.release()
-            files.status.unlink(missing_ok=True)
+            run_files.remove_own(files.status)
             raise
         now = time.time()
         self._identity = [
