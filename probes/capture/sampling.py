@@ -216,10 +216,12 @@ class SamplingPolicy:
         if not self._dense_ms:
             return None
         own = statistics.median(self._dense_ms)
-        if not self._bare_step_ms:
+        if self._host_timed or not self._bare_step_ms:
+            # the reduction ran on the calling thread: its own time is its cost. Comparing whole steps' wall times
+            # instead lets a busy machine's noise (one slow dense step among few) price the tier out of the run
             return own
         # what dense steps add to the wall time of plain ones: on an accelerator the reduction runs after the host
-        # launched it; on the CPU a pass over every gradient and tensor also leaves the caches colder
+        # launched it
         return max(own, statistics.median(self._dense_step_ms) - statistics.median(self._bare_step_ms))
 
     def _budget_schedule(self, step: int) -> Schedule:
