@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from ..read.caps import FindingsCap, findings_cap
 from ..read.run import Run, RunDir, merge_findings
 from ..read.run_folders import run_folders, run_folders_text
 from ..read.store import StoreError
+from .args import ABOUT, Parser, check_store_target, fail
 
 LEVELS = tuple(str(s) for s in SEVERITY_ORDER)          # error, warning, info: worst first
 
@@ -168,3 +170,30 @@ def format_text(findings: Sequence[dict[str, Any]], where: str, notes: Sequence[
             lines.append(f"        explains: {c['severity']} {c['code']}  {display_path(c['path'])}"
                          f"{'  (' + span(c) + ')' if span(c) else ''}")
     return "\n".join(printable(line) for line in lines)      # names and messages are the model's, or a store's
+
+
+def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
+    """Print the active findings; 1 when one at ``--fail-on`` or worse exists, 2 when the store
+    cannot be read."""
+    p = Parser(prog=f"{prog} findings", description=ABOUT["findings"])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory (every run in it) or one store file")
+    src.add_argument("--snapshot", metavar="FILE", help="a snapshot file")
+    p.add_argument("--rank", type=int, default=None, help="only this rank (default: every rank, merged)")
+    p.add_argument("--json", action="store_true", help="a JSON list of objects (code, severity, path, message, "
+                                                       "fix, ranks, steps, cause, run)")
+    p.add_argument("--fail-on", choices=LEVELS, default=None, metavar="LEVEL",
+                   help="exit 1 when a finding at LEVEL (error, warning or info) or worse exists")
+    args = p.parse_args(list(argv))
+    for option, value in (("--run", args.run), ("--snapshot", args.snapshot)):
+        if value is not None:
+            check_store_target(option, value)
+    try:
+        runs = open_runs(run=args.run, snapshot=args.snapshot)
+        found, notes = collect(runs, rank=args.rank), cap_notes(runs, rank=args.rank)
+    except FindingsError as exc:
+        fail(str(exc))
+    print(format_json(found) if args.json else format_text(found, str(args.run or args.snapshot), notes))
+    if args.json and notes:
+        print("\n".join(f"modscope: note: {n}" for n in notes), file=sys.stderr)     # stdout stays JSON
+    return exit_status(found, args.fail_on)
