@@ -146,6 +146,7 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
     ends, also on a Ctrl-C or SIGTERM while the app is still being built (seconds), so that the
     demo closes its run."""
     from .web import security
+    from .web.config import ServedAt
     from .web.server import create_app
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
@@ -158,8 +159,7 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
             check_port(host, port)
         if not security.is_loopback(host) and not token:
             token = security.generate_token()
-        config.token = token
-        config.bind_host, config.bind_port = host, port
+        config.served = ServedAt(host, port, token)
         app = create_app(config)
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         _log_to_stderr()
