@@ -43,7 +43,8 @@ def _hist(rng: random.Random, scale: float, relu: bool) -> list[int]:
 class SynthStore:
     """A store being written like probes would write it: WAL mode, one commit per step."""
 
-    def __init__(self, path: Path, *, run_name: str = "synthetic", model_class: str = "Classifier",
+    # the builders take one keyword per column of the row they write, as the store names it
+    def __init__(self, path: Path, *, run_name: str = "synthetic", model_class: str = "Classifier",  # noqa: PLR0913
                  rank: int = 0, seed: int = 0, run_id: str | None = None, world_size: int = 1,
                  hostname: str | None = None, pid: int = 1, journal: str = "wal", created_at: float | None = None):
         self.path = Path(path)
@@ -84,7 +85,7 @@ class SynthStore:
                        for relu in (True, False)}
 
     # -- structure -----------------------------------------------------------------------
-    def add_module(self, path: str, parent: int | None, name: str, type_: str, kind: str = "registered",
+    def add_module(self, path: str, parent: int | None, name: str, type_: str, kind: str = "registered",  # noqa: PLR0913
                    params: int = 0, trainable: int | None = None, in_opt: int | None = None,
                    relu: bool = True) -> int:
         mid = len(self.modules)
@@ -104,7 +105,7 @@ class SynthStore:
                               "AND module_id = ?", (self.rank, parent))
         return mid
 
-    def add_param(self, module_id: int, path: str, name: str, shape: list[int], *, kind: str = "parameter",
+    def add_param(self, module_id: int, path: str, name: str, shape: list[int], *, kind: str = "parameter",  # noqa: PLR0913
                   requires_grad: bool = True, in_optimizer: bool = True, in_state_dict: bool | None = None,
                   aliases: list[str] | None = None, moved: int | None = 1) -> int:
         pid = len(self.params)
@@ -122,7 +123,7 @@ class SynthStore:
              json.dumps(aliases or []), moved))
         return pid
 
-    def add_finding(self, code: str, path: str, severity: str, module_id: int | None, message: str,
+    def add_finding(self, code: str, path: str, severity: str, module_id: int | None, message: str,  # noqa: PLR0913
                     fix: str = "", evidence: dict | None = None, active: int = 1, *, count: int = 1,
                     cause: tuple[str, str] | None = None, first_step: int = 0, last_step: int | None = None) -> None:
         self.conn.execute(
@@ -347,7 +348,7 @@ def demo_model(st: SynthStore, *, buffers: bool = True) -> dict[str, int]:
     return ids
 
 
-def rank_run(run_dir: Path, run_id: str = "job1", world_size: int = 4, steps: int = 12, *,
+def rank_run(run_dir: Path, run_id: str = "job1", world_size: int = 4, steps: int = 12, *,  # noqa: PLR0913
              run_name: str = "ddp", diverge: dict[int, dict[str, tuple[int, float]]] | None = None,
              step_ms: dict[int, float] | None = None, hostname: str | None = None, pids: dict[int, int] | None = None,
              close: bool = True, journal: str = "wal", created_at: float | None = None) -> list[SynthStore]:
