@@ -18,7 +18,8 @@ __all__ = ["ABOUT", "COMMANDS", "Parser", "check_poll_ms", "check_port", "check_
 
 
 def fail(msg: str) -> NoReturn:
-    print(printable(f"modscope: error: {msg}"), file=sys.stderr)     # paths and names as typed: escaped
+    # paths and names as typed: escaped, line by line (a list of run folders keeps its lines)
+    print("\n".join(printable(line) for line in f"modscope: error: {msg}".split("\n")), file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -135,7 +135,7 @@ def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None, token: str
     in its environment (children.py: the environment is this one's, nothing added to the path)."""
     server = None
     if serve_port is not None:
-        from ..demo import die_with_parent
+        from .demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
@@ -174,5 +174,5 @@ def _serve_until_stopped(server: subprocess.Popen[Any], status: int) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        from ..demo import stop_demo
+        from .demo import stop_demo
         stop_demo(server)
