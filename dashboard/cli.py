@@ -320,6 +320,7 @@ COMMANDS = {
     "demo": "[--host H] [--port P] [--token T] [--runs-dir DIR] [--demo-arg ARG ...]",
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
+    "checkpoint": "FILE (--run DIR | --snapshot FILE) [--rank R]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
 }
 ABOUT = {
@@ -327,6 +328,7 @@ ABOUT = {
     "demo": "train the demo model (with its plain-list bug) and serve the dashboard on it",
     "export": "a standalone HTML report of a run or snapshot",
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
+    "checkpoint": "does a saved state dict restore the run's model? exit 1 when keys are missing or shapes differ",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
 _SOURCE_FLAGS = ("--run", "--snapshot", "--compare")
@@ -379,6 +381,9 @@ def _dispatch(argv: list[str], prog: str) -> int:
         return export_main(rest, prog)
     if cmd == "findings":
         return findings_main(rest, prog)
+    if cmd == "checkpoint":
+        from .checkpoint_cli import main as checkpoint_main
+        return checkpoint_main(rest, _Parser(prog=f"{prog} checkpoint", description=ABOUT["checkpoint"]), fail)
     if cmd == "run":
         return run_main(rest, prog)
     if cmd.startswith("-"):

@@ -1179,6 +1179,17 @@ class Store:
                     keys.add(a)
         return sorted(keys)
 
+    def checkpoint_tensors(self, rank: int = 0, limit: int = MAX_KEYS) -> list[Row]:
+        """The model's tensors as a checkpoint sees them (``modscope checkpoint``): every current ``params`` row
+        (registered ones with ``in_state_dict`` and ``aliases``, and the unregistered ones no state_dict holds),
+        with the path and kind of the module that holds it."""
+        return [dict(r) for r in self._query(
+            "SELECT p.path, p.aliases, p.shape, p.numel, p.dtype, p.kind, p.requires_grad, p.registered, "
+            "p.is_parameter, p.in_state_dict, m.path AS module_path, m.kind AS module_kind, m.type AS module_type "
+            "FROM params p LEFT JOIN modules m ON m.rank = p.rank AND m.module_id = p.module_id "
+            f"WHERE p.rank = ? AND {self._current('params', 'p')} ORDER BY p.param_id LIMIT ?", (rank, limit),
+            limit=limit)]
+
     def all_modules(self, rank: int = 0, limit: int = MAX_COMPARE_MODULES, *, removed: bool = False) -> list[Row]:
         """The modules of the model as it is now (``removed``: those no longer part of it instead), by id."""
         current = self._current("modules")

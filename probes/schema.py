@@ -20,7 +20,7 @@ import sqlite3
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -35,12 +35,12 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME", "MIN_READ_VERSION",
-           "SCHEMA_VERSION", "SEVERITY_ORDER", "TABLES", "CodeInfo", "FindingCode", "ModuleKind", "RunStatus",
-           "Severity", "StoreName", "StrEnum", "TensorKind", "WriterState", "WriterStatus", "code_label",
-           "decode_hist", "display_path", "encode_hist", "encode_status", "every_option", "module_path_candidates",
-           "normalize_path", "overhead_option", "parse_store_filename", "read_status", "runtime_label", "snapshot",
-           "status_path", "store_filename"]
+__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME",
+           "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER", "STATE_DICT_PREFIXES", "TABLES", "CodeInfo",
+           "FindingCode", "KeyPrefix", "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind",
+           "WriterState", "WriterStatus", "code_label", "decode_hist", "display_path", "encode_hist", "encode_status",
+           "every_option", "key_prefix", "module_path_candidates", "normalize_path", "overhead_option",
+           "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -166,6 +166,7 @@ class FindingCode(StrEnum):
     SHARED_PARAMETER = "shared-parameter"
     RANK_DIVERGENCE = "rank-divergence"
     RANK_STRAGGLER = "rank-straggler"
+    CHECKPOINT_KEYS = "checkpoint-keys"
 
 
 _E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
@@ -245,6 +246,11 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         _W, "straggler",
         "Look for uneven data (sequence lengths, sharding), a slower device or host, or work only this "
         "rank does (logging, checkpointing, evaluation)."),
+    FindingCode.CHECKPOINT_KEYS: CodeInfo(
+        _E, "checkpoint keys",
+        "Load with strict=True (the default), so that a checkpoint that does not fit fails loudly; to load part of "
+        "a model on purpose, load it into that part (model.backbone.load_state_dict(sd)); compare a file with the "
+        "model first: modscope checkpoint FILE --run DIR.", event=True),
 })
 
 
@@ -308,6 +314,65 @@ def module_path_candidates(path: str, limit: int = 64) -> list[str]:
         p = p[:cut] if cut > 0 else ""
         out.append(p)
     return out
+
+
+# ---------------------------------------------------------------------------------- state-dict key prefixes
+# What puts a prefix before every key of a state_dict, as `modscope checkpoint` and the checkpoint-keys finding name it.
+STATE_DICT_PREFIXES = MappingProxyType({
+    "module.": "DistributedDataParallel or DataParallel: the wrapper's state_dict()",
+    "_orig_mod.": "torch.compile: the compiled wrapper's state_dict()",
+    "model.": "a module that holds the model as .model, such as a LightningModule",
+})
+
+
+@dataclass(frozen=True)
+class KeyPrefix:
+    """A prefix that explains why a state dict's keys and a model's do not meet: ``in_file``, the file's keys carry it
+    and the model's do not (strip it); else the model's keys carry it and the file's do not (load into that part)."""
+
+    prefix: str
+    in_file: bool
+    explained: int                 # keys it pairs up
+    origin: str | None             # what adds it, for a prefix STATE_DICT_PREFIXES knows
+
+    def describe(self) -> str:
+        p, who = self.prefix, f" (added by {self.origin})" if self.origin else ""
+        if self.in_file:
+            return f"{self.explained:,} keys of the file are the model's with {p!r} in front{who}"
+        return f"{self.explained:,} keys of the model are the file's with {p!r} in front{who}"
+
+    def fix(self) -> str:
+        p = self.prefix
+        if self.in_file:
+            inner = _INNER_MODULE.get(p, "the unwrapped model")
+            return (f"strip it before loading: torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "
+                    f"{p!r}), or save {inner}.state_dict()")
+        return (f"load into that part: model.{p.rstrip('.')}.load_state_dict(sd), or add the prefix: "
+                f"{{{p!r} + k: v for k, v in sd.items()}}")
+
+
+_INNER_MODULE = {"module.": "model.module", "_orig_mod.": "model._orig_mod", "model.": "model.model"}
+
+
+def key_prefix(missing: Iterable[str], unexpected: Iterable[str]) -> KeyPrefix | None:
+    """The prefix that pairs up the most keys the model needs but the file lacks (``missing``) with keys the file has
+    but the model lacks (``unexpected``), when it pairs up at least half of the fewer of them; None otherwise."""
+    need, extra = set(missing), set(unexpected)
+    counts: dict[tuple[str, bool], int] = {}
+    for keys, other, in_file in ((extra, need, True), (need, extra, False)):
+        for key in keys:
+            i = key.find(".")
+            while i != -1:
+                if key[i + 1:] in other:
+                    counts[(key[:i + 1], in_file)] = counts.get((key[:i + 1], in_file), 0) + 1
+                i = key.find(".", i + 1)
+    if not counts:
+        return None
+    (prefix, in_file), n = max(counts.items(), key=lambda kv: (kv[1], kv[0][0] in STATE_DICT_PREFIXES,
+                                                               -len(kv[0][0])))
+    if 2 * n < min(len(need), len(extra)):
+        return None
+    return KeyPrefix(prefix, in_file, n, STATE_DICT_PREFIXES.get(prefix))
 
 
 # ---------------------------------------------------------------------------------- histograms
