@@ -55,6 +55,7 @@ class Evaluator:
         self.tracker = FindingTracker(rank)
         self.static: list[Finding] = []           # what the structure walk shows
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
+        self.checkpoint_loads: Sequence[Finding] = ()     # checkpoint_keys.CheckpointLoads' finding
         self._moved: dict[int, int] = {}
         # tensors no optimizer holds that a gradient reached in a sampled training step (it arrived in that step,
         # or their .grad was set at its end: nothing zeroes such a tensor, so a gradient of an unsampled step stays),
@@ -132,7 +133,8 @@ class Evaluator:
         """Findings now: structure, run-time modules, the detectors' last view and the events, each consequence
         naming its cause; the store operations that record the difference."""
         book = events or self.events
-        current = assign_causes([*self._static_now(index), *runtime, *self.dynamic, *book.findings(index)])
+        current = assign_causes([*self._static_now(index), *runtime, *self.dynamic, *book.findings(index),
+                                 *self.checkpoint_loads])
         book.changed = False
         return self.tracker.update(step, current, index, sampled)
 

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import measure, records
 from .capture import StepCapture, StepRecord, release_outputs
+from .checkpoint_keys import CheckpointLoads
 from .evaluation import Evaluator
 from .findings import Finding
 from .guard import ProbeRuntime
@@ -110,6 +111,8 @@ class Watcher:
         self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
+        self._loads = CheckpointLoads(self._probe, self._on_checkpoint_load)
+        self._loads.attach(user_model)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._on_opt_pre, oi))))
             self._opt_handles.append(opt.register_step_post_hook(HeldHook(functools.partial(self._on_opt_post, oi))))
@@ -227,6 +230,7 @@ class Watcher:
             if self._evaluator.changed:
                 self._publish(self._probe.step, sampled=False)
             self._sentinel.detach()
+            self._loads.detach()
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
@@ -405,6 +409,11 @@ class Watcher:
     def _publish(self, step: int, sampled: bool) -> None:
         self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.findings(), sampled),
                             droppable=False)
+
+    def _on_checkpoint_load(self) -> None:
+        """A load_state_dict() of the model changed the checkpoint-keys finding: published at once."""
+        self._evaluator.checkpoint_loads = self._loads.findings()
+        self._publish(self._probe.step, sampled=False)
 
     def _observe_forwards(self, step: int) -> None:
         """What the root sentinel saw since the last boundary, which ends here."""
