@@ -7,7 +7,7 @@ to what it explains:
 - ``unregistered-module`` at P explains ``not-updating``, ``grad-accumulating`` and
   ``training-mode-mismatch`` at P or below it;
 - ``not-in-optimizer`` and ``unregistered-tensor`` at a tensor explain ``not-updating`` and
-  ``grad-accumulating`` of that tensor;
+  ``grad-accumulating`` of that tensor; ``no-gradient`` at a module explains ``not-updating`` of the tensors it names;
 - ``not-in-optimizer`` of a replacement explains the ``stale-optimizer-param`` entry of what it replaced;
 - ``training-mode-mismatch`` at P, a part left in eval while the model trains, explains ``train-step-in-eval-mode``
   when the mode-sensitive modules it names are all under P (a Hugging Face model from ``from_pretrained()``, in eval
@@ -40,6 +40,8 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
                           key=len, reverse=True)
     not_in_optimizer = {f.path for f in items if f.code == FindingCode.NOT_IN_OPTIMIZER}
     unregistered_tensors = {f.path for f in items if f.code == FindingCode.UNREGISTERED_TENSOR}
+    gradless = {t: f.path for f in items if f.code == FindingCode.NO_GRADIENT
+                for t in f.evidence.get("tensors", ()) if isinstance(t, str)}
     keys = {f.key for f in items if f.code == FindingCode.DEAD_LAYER}
     left_in_eval = [f.path for f in items if f.code == FindingCode.TRAINING_MODE_MISMATCH
                     and f.evidence.get("mode_set_after_model") and f.evidence.get("module_training") is False]
@@ -55,6 +57,8 @@ def assign_causes(found: Iterable[Finding]) -> list[Finding]:
                 cause = (FindingCode.NOT_IN_OPTIMIZER, f.path)
             elif f.path in unregistered_tensors:
                 cause = (FindingCode.UNREGISTERED_TENSOR, f.path)
+            elif f.code == FindingCode.NOT_UPDATING and f.path in gradless:
+                cause = (FindingCode.NO_GRADIENT, gradless[f.path])
         upstream = f.evidence.get("dead_upstream") if f.code in _DEAD else None
         if isinstance(upstream, str) and upstream != f.path and (FindingCode.DEAD_LAYER, upstream) in keys:
             cause = (FindingCode.DEAD_LAYER, upstream)

@@ -55,7 +55,8 @@ class Evaluator:
         self.tracker = FindingTracker(rank)
         self.static: list[Finding] = []           # what the structure walk shows
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
-        self.checkpoint_loads: Sequence[Finding] = ()     # checkpoint_keys.CheckpointLoads' finding
+        # what the watcher's own checks find, by check: a checkpoint load (checkpoint_keys), a stalled optimizer
+        self.outside: dict[str, Sequence[Finding]] = {}
         self._moved: dict[int, int] = {}
         # tensors no optimizer holds that a gradient reached in a sampled training step (it arrived in that step,
         # or their .grad was set at its end: nothing zeroes such a tensor, so a gradient of an unsampled step stays),
@@ -134,7 +135,7 @@ class Evaluator:
         naming its cause; the store operations that record the difference."""
         book = events or self.events
         current = assign_causes([*self._static_now(index), *runtime, *self.dynamic, *book.findings(index),
-                                 *self.checkpoint_loads])
+                                 *itertools.chain.from_iterable(self.outside.values())])
         book.changed = False
         return self.tracker.update(step, current, index, sampled)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import measure, records
+from . import measure, not_moving, records
 from .capture import StepCapture, StepRecord, release_outputs
 from .checkpoint_keys import CheckpointLoads
 from .evaluation import Evaluator
@@ -97,6 +97,8 @@ class Watcher:
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
         self._stepped: set[int] = set()
+        self._most_forwards = 0                       # the most training forwards a finished step had
+        self._reports = 0                             # w.step() calls since the last step ended
         self._sample_index = 0
         self._unread: UnreadSample | None = None
         self._thread = threading.get_ident()          # the training thread: the only one that reads samples
@@ -142,6 +144,8 @@ class Watcher:
             if self._optimizers and not self._external:
                 if loss is not None:
                     self._losses.record(max(self._probe.step - 1, 0), loss)
+                self._reports += 1
+                self._check_stalled()
                 return
             if loss is not None:
                 self._losses.record(self._probe.step, loss)
@@ -185,6 +189,7 @@ class Watcher:
         its fix and the findings it explains."""
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
+            self._check_stalled()
             self._preview_step()
         return FindingList(self._evaluator.active())
 
@@ -226,6 +231,8 @@ class Watcher:
             self._opt_handles.clear()
             self._losses.flush()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
+            with self._probe.guard("close"):
+                self._check_stalled()
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
                 self._publish(self._probe.step, sampled=False)
@@ -347,6 +354,11 @@ class Watcher:
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
+            self._most_forwards = max(self._most_forwards, self._sentinel.log.train_forwards)
+            self._reports = 0
+            if self._evaluator.outside.get("stalled"):       # a step ended: the optimizer steps again
+                self._evaluator.outside["stalled"] = []
+                self._evaluator.events.changed = True
             if self._sentinel.log.empty() and not self._sentinel.parts_watched:
                 self._sentinel.watch_parts()        # a step without a forward of the model: the loop calls its parts
             self._observe_forwards(step)
@@ -412,7 +424,22 @@ class Watcher:
 
     def _on_checkpoint_load(self) -> None:
         """A load_state_dict() of the model changed the checkpoint-keys finding: published at once."""
-        self._evaluator.checkpoint_loads = self._loads.findings()
+        self._evaluator.outside["checkpoint-loads"] = self._loads.findings()
+        self._publish(self._probe.step, sampled=False)
+
+    def _check_stalled(self) -> None:
+        """Forwards go on and the watched optimizers do not step (not_moving.stalled_optimizer): said now, and
+        resolved when a step ends. The loop must say its steps go on (w.step() called twice since the last optimizer
+        step), unless no step ever ended: forwards in training mode after the last step may be an evaluation."""
+        if not self._optimizers or self._external or (self._reports < 2 and self._probe.step > 0):
+            return
+        forwards = self._sentinel.log.train_forwards
+        said = self._evaluator.outside.get("stalled")
+        if not not_moving.stalled(forwards, self._most_forwards) or \
+                (said and forwards < 2 * said[0].evidence["forwards"]):     # said again as the count doubles
+            return
+        self._evaluator.outside["stalled"] = [not_moving.stalled_optimizer(forwards, self._most_forwards,
+                                                                           self._probe.step)]
         self._publish(self._probe.step, sampled=False)
 
     def _observe_forwards(self, step: int) -> None:
