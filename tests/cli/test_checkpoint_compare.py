@@ -247,3 +247,27 @@ def test_a_rank_that_does_not_exist(net_run, tmp_path):
     r = modscope(str(tmp_path / "ok.pt"), "--run", str(run), "--rank", "3", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == "modscope: error: --rank 3: no such rank in this run; " \
                                                      "expected one of 0"
+
+
+def test_a_sharded_checkpoint_against_a_snapshot(tmp_path):
+    """A Hugging Face style sharded checkpoint (model.safetensors.index.json naming two shards), against a snapshot."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    import json
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probes.watch(model, opt, run_dir=tmp_path / "run", every=1) as w:
+        loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 4, (16,)))
+        loss.backward()
+        opt.step()
+        snap = w.snapshot(tmp_path / "snap.sqlite")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "head.bias"}
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
+    for shard, keys in shards.items():
+        safetensors_torch.save_file({k: sd[k] for k in keys}, str(tmp_path / shard))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    r = modscope(str(tmp_path / "model.safetensors.index.json"), "--snapshot", str(snap), cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "a sharded checkpoint of 2 files, 8 keys" in r.stdout
+    assert "keys the model needs that the file lacks: 1 (1 trained parameters)\n  head.bias  [4]" in r.stdout

@@ -307,6 +307,14 @@ def test_module_series_histograms_and_params(runs):
     assert {m["module_id"] for m in s.all_modules()} == set(latest)
     assert all(row["step"] == STEPS - 1 for row in latest.values())
     assert s.state_dict_keys() == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
+    # what `modscope checkpoint` compares a file with: the registered tensors and the plain list's, by their modules
+    tensors = {r["path"]: r for r in s.checkpoint_tensors()}
+    assert (tensors["stem.weight"]["registered"], tensors["stem.weight"]["in_state_dict"],
+            tensors["stem.weight"]["shape"], tensors["stem.weight"]["module_kind"]) == (1, 1, "[16, 2]", "registered")
+    block = tensors[f"{BLOCKS[0]}.weight"]
+    assert (block["registered"], block["in_state_dict"], block["module_path"], block["module_kind"],
+            block["module_type"], block["numel"]) == (0, 0, BLOCKS[0], "unregistered", "Linear", 256)
+    assert len(tensors) == 10
 
 
 def test_snapshot_round_trip(runs, tmp_path):
