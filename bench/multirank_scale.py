@@ -9,7 +9,7 @@
    the Overview with its cards, loss curve and the 8-line per-rank table, with the HTTP cache cleared
    (and once in a freshly started browser); the Findings page (merged over the ranks, with the
    cross-rank comparison).
-3. The p50/p95 of the ``dashboard.run.Run`` queries over the merged run, each repetition on a fresh
+3. The p50/p95 of the ``dashboard.read.run.Run`` queries over the merged run, each repetition on a fresh
    ``RunDir`` (no cache, new connections: what a request thread of the server pays first).
 4. The store size per rank per 10,000 steps: the size of the real rank-0 store divided by its steps,
    times 10,000 (a linear extrapolation, stated as such: the writer's thinning keeps longer runs
@@ -149,7 +149,7 @@ def pct(values: list[float], p: float) -> float:
 
 def query_times(run_dir: Path, repeat: int) -> dict[str, list[float]]:
     """ms per Run query, each repetition on a fresh RunDir (no cached results, new connections)."""
-    from dashboard.run import RunDir
+    from dashboard.read.run import RunDir
 
     probe = RunDir.open(run_dir).run()
     rank0 = probe.at(0)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.run_dir, args.steps, args.every)
         return 0
 
-    from dashboard.run import RunDir
+    from dashboard.read.run import RunDir
 
     real = args.real_ranks or args.ranks
     base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="modscope-multirank-"))

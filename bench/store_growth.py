@@ -32,7 +32,7 @@ import probes
 from bench.browser import free_port, make_driver, until
 from bench.dashboard_scale import q
 from bench.many_modules import make, one_step
-from probes import session
+from probes.store import session
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 browser test) and for the states the real writer cannot be made to produce on demand (newer or older
 schema versions, two ranks in one file, a stalled or vanished writer, failed commits, hostile strings).
 
-What the real writer (``probes.watch``) writes, read through every query of ``dashboard.data``, is
+What the real writer (``probes.watch``) writes, read through every query of ``dashboard.read.store``, is
 tested in tests/contract. These stores are written with the schema's DDL (``probes.schema``, no
 torch). ``demo`` mirrors examples/demo_train.py: the seed's XOR classifier whose encoder keeps its
 three Linear blocks in a plain list (``fixed=True`` is the ModuleList version). ``big`` makes a

@@ -2,5 +2,5 @@
 
 This package never imports torch or ``probes``: a reviewer opens a snapshot on a
 machine without either. The store's contract is the schema (docs/schema.md); the
-data-access module :mod:`dashboard.data` checks the version it reads.
+data-access module :mod:`dashboard.read.store` checks the version it reads.
 """

@@ -2,8 +2,8 @@
 ``serve``, ``demo``, ``export``, ``findings`` and ``run``. What serving does once the arguments
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
-dashboard/findings_cli.py; ``run`` starts the training script in a child process
-(``python -m probes.autorun``: this process never imports torch) and, with ``--serve``, the
+dashboard/commands/findings.py; ``run`` starts the training script in a child process
+(``python -m probes.launch.autorun``: this process never imports torch) and, with ``--serve``, the
 dashboard in another.
 
 Any unusable argument exits with status 2 and one line naming the path and the problem.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from probes.schema import every_option, overhead_option
 
 if TYPE_CHECKING:
-    from .server import AppConfig
+    from .web.server import AppConfig
 
 
 def fail(msg: str) -> NoReturn:
@@ -37,7 +37,7 @@ def fail(msg: str) -> NoReturn:
 
 def checked_host(host: str) -> str:
     """``--host`` validated and normalised (security.check_host), or exit 2 naming the value."""
-    from . import security  # deferred, like Dash (which it imports): --help stays fast
+    from .web import security  # deferred, like Dash (which it imports): --help stays fast
 
     try:
         return security.check_host(host)
@@ -48,7 +48,7 @@ def checked_host(host: str) -> str:
 def check_serve_args(host: str, port: int, token: str | None) -> tuple[str, str | None]:
     """Check ``--host``, ``--port`` and ``--token`` before anything starts (the demo, the
     server); returns the normalised host and the token."""
-    from . import security
+    from .web import security
 
     check_port_number(port)
     host = checked_host(host)
@@ -97,7 +97,7 @@ def check_store_target(option: str, value: str) -> None:
     ``--run``, a file must be a store file (an SQLite file, or any ``*.sqlite`` path, which a run
     may not have written yet), and one that nothing writes must be a store already. Missing paths
     are left to the store's own messages."""
-    from .data import SQLITE_HEADER, Store, StoreError, writer_present
+    from .read.store import SQLITE_HEADER, Store, StoreError, writer_present
 
     path = Path(value)
     try:
@@ -129,11 +129,24 @@ def check_store_target(option: str, value: str) -> None:
             fail(str(exc))
 
 
+def check_run_path(run: str, command: str = "modscope serve") -> None:
+    """A run that does not exist yet is waited for (said once, here); a folder of run folders is no run: they
+    are listed, with how to pick one (exit 2)."""
+    from .read.run_folders import run_folders, run_folders_text, waiting_text
+
+    if not os.path.lexists(run):
+        print(waiting_text(run), file=sys.stderr, flush=True)
+        return
+    folders = run_folders(run)
+    if folders:
+        fail(run_folders_text("--run", run, folders, command))
+
+
 def open_config(*, run: str | None = None, snapshot: str | None = None,
                 compare: list[str] | None = None, poll_ms: int = 1000) -> AppConfig:
     """The AppConfig for a run (live), a snapshot (review) or two stores (compare)."""
-    from .data import Store, StoreError
-    from .server import AppConfig
+    from .read.store import Store, StoreError
+    from .web.server import AppConfig
 
     for option, value in (("--run", run), ("--snapshot", snapshot), *(("--compare", c) for c in compare or ())):
         if value is not None:
@@ -149,6 +162,7 @@ def open_config(*, run: str | None = None, snapshot: str | None = None,
             return AppConfig(mode="review", store=Store.open_snapshot(snapshot), title="modscope: snapshot")
         if run is None:
             fail("nothing to open: expected --run DIR, --snapshot FILE or --compare A B")
+        check_run_path(run)
         return AppConfig(mode="live", store=Store.open_run(run), poll_ms=poll_ms)
     except StoreError as exc:
         fail(str(exc))
@@ -159,9 +173,9 @@ def start_demo_config(host: str, port: int, runs_dir: str | Path, demo_args: lis
     """Check the address, start examples/demo_train.py writing to a fresh run directory under
     ``runs_dir`` (relative to this process's folder, for the child as for the dashboard); returns
     ``(config, demo_proc)``."""
-    from .data import Store, StoreError
-    from .demo import fresh_run_dir, start_demo, stop_demo
-    from .server import AppConfig
+    from .commands.demo import fresh_run_dir, start_demo, stop_demo
+    from .read.store import Store, StoreError
+    from .web.server import AppConfig
 
     check_port(host, port)
     try:
@@ -216,8 +230,8 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
     token gets a generated one. Prints the URL. ``demo_proc`` (if any) is stopped however this
     ends, also on a Ctrl-C or SIGTERM while the app is still being built (seconds), so that the
     demo closes its run."""
-    from . import security
-    from .server import create_app
+    from .web import security
+    from .web.server import create_app
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise SystemExit(0)
@@ -248,7 +262,7 @@ def serve(config: AppConfig, host: str, port: int, token: str | None = None,
         pass
     finally:
         if demo_proc is not None:
-            from .demo import stop_demo
+            from .commands.demo import stop_demo
             stop_demo(demo_proc)
     return 0
 
@@ -265,7 +279,7 @@ def check_output_not_read(output: str, target: str) -> None:
     ``-journal``, lock or status file): the report written there would replace the run."""
     from probes.schema import LOCK_SUFFIX, STATUS_SUFFIX
 
-    from .run import scan_runs
+    from .read.run import scan_runs
 
     out = Path(output)
     for entry in scan_runs(target, limit=sys.maxsize):
@@ -279,9 +293,9 @@ def check_output_not_read(output: str, target: str) -> None:
 def export(output: str, *, run: str | None = None, snapshot: str | None = None, rank: int | None = None) -> int:
     """Write the standalone HTML report of a run or snapshot (the newest run of a directory) to
     ``output``: the tree and charts of ``rank`` (default: the run's lowest)."""
-    from .data import Store, StoreError
-    from .report import write_report
-    from .run import as_run_dir
+    from .read.run import as_run_dir
+    from .read.store import Store, StoreError
+    from .web.report import write_report
 
     if run is not None:
         check_store_target("--run", run)
@@ -320,6 +334,7 @@ COMMANDS = {
     "demo": "[--host H] [--port P] [--token T] [--runs-dir DIR] [--demo-arg ARG ...]",
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
+    "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
     "checkpoint": "FILE (--run DIR | --snapshot FILE) [--rank R]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
 }
@@ -328,6 +343,7 @@ ABOUT = {
     "demo": "train the demo model (with its plain-list bug) and serve the dashboard on it",
     "export": "a standalone HTML report of a run or snapshot",
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
+    "snapshot": "one store file of a run (every rank) or a snapshot, holding only what modscope writes",
     "checkpoint": "does a saved state dict restore the run's model? exit 1 when keys are missing or shapes differ",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
@@ -381,8 +397,11 @@ def _dispatch(argv: list[str], prog: str) -> int:
         return export_main(rest, prog)
     if cmd == "findings":
         return findings_main(rest, prog)
+    if cmd == "snapshot":
+        from .commands.snapshot import snapshot_main
+        return snapshot_main(rest, prog, _Parser)
     if cmd == "checkpoint":
-        from .checkpoint_cli import main as checkpoint_main
+        from .commands.checkpoint import main as checkpoint_main
         return checkpoint_main(rest, _Parser(prog=f"{prog} checkpoint", description=ABOUT["checkpoint"]), fail)
     if cmd == "run":
         return run_main(rest, prog)
@@ -394,7 +413,7 @@ def _dispatch(argv: list[str], prog: str) -> int:
 
 def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
     """``source``: "required" (serve), "none" (demo) or "optional" (no command: either)."""
-    from .demo import DEMO_ARGS
+    from .commands.demo import DEMO_ARGS
 
     name = {"required": f"{prog} serve", "none": f"{prog} demo"}.get(source, prog)
     p = _Parser(prog=name, description=ABOUT["serve" if source == "required" else "demo"])
@@ -416,7 +435,7 @@ def serve_parser(prog: str, source: str) -> argparse.ArgumentParser:
 
 
 def serve_main(argv: Sequence[str], prog: str = "modscope", source: str = "required") -> int:
-    from .demo import DEMO_ARGS
+    from .commands.demo import DEMO_ARGS
 
     args = serve_parser(prog, source).parse_args(list(argv))
     args.host, args.token = check_serve_args(args.host, args.port, args.token)  # before the demo starts
@@ -448,7 +467,7 @@ def export_main(argv: Sequence[str], prog: str = "modscope") -> int:
 def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
     """Print the active findings; 1 when one at ``--fail-on`` or worse exists, 2 when the store
     cannot be read."""
-    from . import findings_cli as fc
+    from .commands import findings as fc
 
     p = _Parser(prog=f"{prog} findings", description=ABOUT["findings"])
     src = p.add_mutually_exclusive_group(required=True)
@@ -495,7 +514,7 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
-    """``modscope run``: the script runs in a child process (``python -m probes.autorun``), so that
+    """``modscope run``: the script runs in a child process (``python -m probes.launch.autorun``), so that
     this process never imports torch and the dashboard (``--serve``) never enters the training."""
     ours, target = split_run_argv(argv)
     p = _Parser(prog=f"{prog} run", usage=f"{prog} run {COMMANDS['run']}", description=ABOUT["run"],
@@ -532,7 +551,7 @@ def run_main(argv: Sequence[str], prog: str = "modscope") -> int:
     except OSError as exc:
         fail(f"--run-dir {run_dir}: cannot create ({exc.strerror or exc})")
     rate_args = ["--every", str(args.every)] if args.every else ["--overhead", repr(args.overhead)]
-    cmd = [sys.executable, "-m", "probes.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
+    cmd = [sys.executable, "-m", "probes.launch.autorun", "--run-dir", str(run_dir), *rate_args, "--", *target]
     status = _supervise(cmd, run_dir, port if args.serve else None)
     if created:
         try:
@@ -604,7 +623,7 @@ def _supervise(cmd: list[str], run_dir: Path, serve_port: int | None) -> int:
     env = child_env()
     server = None
     if serve_port is not None:
-        from .demo import die_with_parent
+        from .commands.demo import die_with_parent
 
         # its own session: a Ctrl-C that stops the training leaves the dashboard up
         server = subprocess.Popen(
@@ -642,7 +661,7 @@ def _serve_until_stopped(server: subprocess.Popen[Any], status: int) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        from .demo import stop_demo
+        from .commands.demo import stop_demo
         stop_demo(server)
 
 

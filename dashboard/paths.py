@@ -27,7 +27,7 @@ def demo_script() -> Path:
 
 def source_checkout() -> Path | None:
     """The checkout's root when the dashboard runs from one (not from an installed wheel): child
-    processes (``python -m probes.autorun``, ``python -m dashboard.cli``) started from another
+    processes (``python -m probes.launch.autorun``, ``python -m dashboard.cli``) started from another
     folder then need it on their ``PYTHONPATH``."""
     root = SOURCE_ROOT
     if (root / "pyproject.toml").is_file() and (root / "probes" / "__init__.py").is_file():

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["CODES", "Finding", "Watcher", "__version__", "audit", "show", "watch"]
+__all__ = ["CODES", "Finding", "Watcher", "__version__", "audit", "begin_optimizer_step", "show", "watch"]
 
 TORCH_HINT = ("modscope's probes need PyTorch (>= 2.4), which is not installed: pip install torch "
               "(the dashboard alone, `modscope serve`, needs no torch)")
 
 # public name -> the submodule that defines it
-_LAZY = {"watch": ".api", "audit": ".api", "Watcher": ".watcher", "Finding": ".findings",
-         "CODES": ".findings", "SCHEMA_VERSION": ".schema", "show": ".notebook"}
+_LAZY = {"watch": ".api", "audit": ".api", "begin_optimizer_step": ".api", "Watcher": ".watcher",
+         "Finding": ".findings", "CODES": ".findings", "SCHEMA_VERSION": ".schema", "show": ".notebook"}
 _TORCH_FREE = {"Finding", "CODES", "SCHEMA_VERSION"}
 
 
@@ -77,7 +77,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .api import audit, watch
-    from .findings import CODES, Finding
+    from .api import audit, begin_optimizer_step, watch
+    from .findings.finding import CODES, Finding
     from .notebook import show
     from .watcher import Watcher

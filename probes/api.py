@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .findings import Finding, sort_findings
+from .findings.finding import Finding, sort_findings
+from .findings.structural import structural_findings
+from .model.structure import build_structure, normalize_optimizers, unwrap
 from .notebook import ipython_shell
-from .rundir import agree_run_id
-from .structural import structural_findings
-from .structure import build_structure, normalize_optimizers, unwrap
+from .store.rundir import agree_run_id
 from .watcher import Boundaries, Watcher
 
 # the open watcher of each model (the user's module, inside any wrapper), weakly: a model is watched by one
@@ -142,6 +142,42 @@ def close_previous_watcher(model: nn.Module) -> None:
     warnings.warn(f"modscope: {type(unwrap(model)).__name__} was already watched by run {previous.run_id!r} "
                   f"({previous.store_path}); that watcher is now closed, since a model is watched by one watcher "
                   "at a time (close a watcher with w.close() or `with probes.watch(...)`)", stacklevel=3)
+
+
+def begin_optimizer_step(optimizer: Any) -> None:
+    """Say that the gradients of ``optimizer`` are final for this step: call it after backward (and after any
+    unscaling and clipping) where modscope cannot see that moment itself, typically inside a closure given to
+    ``optimizer.step(closure)`` (LBFGS) under a framework that owns the step. Every open watcher of ``optimizer``
+    reads the step's gradients there; only the first call of a step counts (LBFGS evaluates its closure several
+    times per step, the first before any update), and a step that is not sampled costs one lookup.
+    ``optimizer``: a torch optimizer, or a framework's wrapper of one (Lightning's ``LightningOptimizer``,
+    accelerate's ``AcceleratedOptimizer``)."""
+    candidates = _optimizer_and_inner(optimizer)
+    if not any(isinstance(o, torch.optim.Optimizer) for o in candidates):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a framework's wrapper of one), got "
+                        f"{type(optimizer).__qualname__}: {optimizer!r:.80}")
+    watchers = [w for ref in list(_WATCHED.values()) if (w := ref()) is not None and not w.closed]
+    for opt in candidates:
+        told = False
+        for w in watchers:
+            try:
+                w.begin_optimizer_step(opt)
+                told = True
+            except ValueError:            # not one of its optimizers
+                continue
+        if told:
+            return
+
+
+def _optimizer_and_inner(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it wraps (``_optimizer``: Lightning's; ``optimizer``: accelerate's)."""
+    out = [optimizer]
+    for _ in range(4):
+        inner = getattr(out[-1], "_optimizer", None) or getattr(out[-1], "optimizer", None)
+        if inner is None or any(inner is o for o in out):
+            break
+        out.append(inner)
+    return out
 
 
 def process_rank() -> tuple[int, int]:

@@ -18,13 +18,16 @@ import os
 import re
 import sqlite3
 import sys
-import time
-import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+from .state_dict_keys import KeyPrefix, key_prefix
+
+if TYPE_CHECKING:
+    from .store_copy import Column, SchemaAudit
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -35,15 +38,17 @@ else:  # pragma: no cover - Python 3.10
         def __str__(self) -> str:
             return str(self.value)
 
-__all__ = ["ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES", "LEGACY_STORE_FILENAME",
-           "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER", "STATE_DICT_PREFIXES", "TABLES", "CodeInfo",
-           "FindingCode", "KeyPrefix", "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind",
-           "WriterState", "WriterStatus", "code_label", "decode_hist", "display_path", "encode_hist", "encode_status",
-           "every_option", "key_prefix", "module_path_candidates", "normalize_path", "overhead_option",
+__all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES",
+           "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER",
+           "TABLES", "CodeInfo", "FindingCode", "KeyPrefix", "ModuleKind", "RunStatus", "Severity", "StoreName",
+           "StrEnum", "TensorKind", "UntrustedStoreError", "WriterState", "WriterStatus", "code_label",
+           "contract_columns", "decode_hist", "display_path", "encode_hist", "encode_status", "every_option",
+           "guard_reads", "key_prefix", "module_path_candidates", "normalize_path", "overhead_option",
            "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
+MAX_VALUE_BYTES = 1_000_000   # the longest string or blob in a store: readers let SQLite build nothing longer
 
 # ---------------------------------------------------------------------------------- file names
 # A run directory holds one store per (run, rank): ``modscope-<run_id>-rank<R>.sqlite``, each with a
@@ -82,7 +87,7 @@ def parse_store_filename(name: str) -> StoreName | None:
 
 
 # ---------------------------------------------------------------------------------- sampling options
-# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.autorun`) read them
+# `--every N` and `--overhead F` as both command lines (`modscope run`, `python -m probes.launch.autorun`) read them
 _N = TypeVar("_N", int, float)
 
 
@@ -316,65 +321,6 @@ def module_path_candidates(path: str, limit: int = 64) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------- state-dict key prefixes
-# What puts a prefix before every key of a state_dict, as `modscope checkpoint` and the checkpoint-keys finding name it.
-STATE_DICT_PREFIXES = MappingProxyType({
-    "module.": "DistributedDataParallel or DataParallel: the wrapper's state_dict()",
-    "_orig_mod.": "torch.compile: the compiled wrapper's state_dict()",
-    "model.": "a module that holds the model as .model, such as a LightningModule",
-})
-
-
-@dataclass(frozen=True)
-class KeyPrefix:
-    """A prefix that explains why a state dict's keys and a model's do not meet: ``in_file``, the file's keys carry it
-    and the model's do not (strip it); else the model's keys carry it and the file's do not (load into that part)."""
-
-    prefix: str
-    in_file: bool
-    explained: int                 # keys it pairs up
-    origin: str | None             # what adds it, for a prefix STATE_DICT_PREFIXES knows
-
-    def describe(self) -> str:
-        p, who = self.prefix, f" (added by {self.origin})" if self.origin else ""
-        if self.in_file:
-            return f"{self.explained:,} keys of the file are the model's with {p!r} in front{who}"
-        return f"{self.explained:,} keys of the model are the file's with {p!r} in front{who}"
-
-    def fix(self) -> str:
-        p = self.prefix
-        if self.in_file:
-            inner = _INNER_MODULE.get(p, "the unwrapped model")
-            return (f"strip it before loading: torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "
-                    f"{p!r}), or save {inner}.state_dict()")
-        return (f"load into that part: model.{p.rstrip('.')}.load_state_dict(sd), or add the prefix: "
-                f"{{{p!r} + k: v for k, v in sd.items()}}")
-
-
-_INNER_MODULE = {"module.": "model.module", "_orig_mod.": "model._orig_mod", "model.": "model.model"}
-
-
-def key_prefix(missing: Iterable[str], unexpected: Iterable[str]) -> KeyPrefix | None:
-    """The prefix that pairs up the most keys the model needs but the file lacks (``missing``) with keys the file has
-    but the model lacks (``unexpected``), when it pairs up at least half of the fewer of them; None otherwise."""
-    need, extra = set(missing), set(unexpected)
-    counts: dict[tuple[str, bool], int] = {}
-    for keys, other, in_file in ((extra, need, True), (need, extra, False)):
-        for key in keys:
-            i = key.find(".")
-            while i != -1:
-                if key[i + 1:] in other:
-                    counts[(key[:i + 1], in_file)] = counts.get((key[:i + 1], in_file), 0) + 1
-                i = key.find(".", i + 1)
-    if not counts:
-        return None
-    (prefix, in_file), n = max(counts.items(), key=lambda kv: (kv[1], kv[0][0] in STATE_DICT_PREFIXES,
-                                                               -len(kv[0][0])))
-    if 2 * n < min(len(need), len(extra)):
-        return None
-    return KeyPrefix(prefix, in_file, n, STATE_DICT_PREFIXES.get(prefix))
-
-
 # ---------------------------------------------------------------------------------- histograms
 # Fixed signed log-spaced edges shared by every sample (a heat map over time needs no re-binning). Bin i
 # counts [EDGES[i-1], EDGES[i]); bin 0 is below EDGES[0], the last at or above EDGES[-1]; zeros have their own.
@@ -485,6 +431,10 @@ CREATE TABLE IF NOT EXISTS params (
     moved         INTEGER,           -- 1 once an update changed it, 0 if observed unchanged, NULL unknown
     removed_step  INTEGER,           -- v4: as modules.removed_step (NULL: current); its owner's new module's
                                      -- tensors have new ids
+    close_fingerprint REAL,          -- v5: its fingerprint (as param_stats.fingerprint) when the watcher closed, after
+                                     -- the optimizer step of ranks.step: replicas compare it however rarely they
+                                     -- sampled (NULL: one process, or not closed)
+    close_data_norm   REAL,          -- v5: its data norm then
     PRIMARY KEY (rank, param_id)
 );
 CREATE INDEX IF NOT EXISTS params_by_module ON params(rank, module_id);
@@ -496,6 +446,9 @@ CREATE TABLE IF NOT EXISTS steps (
     step_ms   REAL,                  -- wall time of the step
     probe_ms  REAL,                  -- time spent inside modscope during the step
     sampled   INTEGER NOT NULL,      -- 1 when module/param statistics were taken
+    compute_ms REAL,                 -- v5: this rank's own time of the step: step_ms less the time its backward
+                                     -- waited for the other ranks' gradients and the optimizer step's own time
+                                     -- (closure calls in it count); NULL: one process
     PRIMARY KEY (rank, step)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS module_stats (
@@ -583,7 +536,8 @@ ADDED_TABLES: MappingProxyType[str, int] = MappingProxyType({"param_series": 5})
 ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxyType({
     "ranks": (("write_errors", "0"), ("last_error", "NULL"), ("next_sample", "NULL")),
     "modules": (("removed_step", "NULL"),),
-    "params": (("removed_step", "NULL"),),
+    "params": (("removed_step", "NULL"), ("close_fingerprint", "NULL"), ("close_data_norm", "NULL")),
+    "steps": (("compute_ms", "NULL"),),
     "param_stats": (("local_grad_norm", "NULL"), ("fingerprint", "NULL"), ("lr", "NULL")),
     "findings": (("count", "1"), ("cause_code", "NULL"), ("cause_path", "NULL")),
 })
@@ -636,62 +590,25 @@ def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
 
 
 # ---------------------------------------------------------------------------------- snapshots
-def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> Path:
-    """A consistent single-file copy of the stores of one run (its ranks), never a pickle: the first by
-    SQLite's backup API, the others' rows in one read transaction each (each rank as of one instant); one
-    file (rollback journal), its meta says of what and when; renamed into place complete or not at all."""
-    paths = [Path(p) for p in sources]
-    if not paths:
-        raise ValueError("snapshot needs at least one store")
-    dest = Path(dest)
-    if dest.is_dir():
-        raise ValueError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".partial")
-    tmp.unlink(missing_ok=True)
-    try:
-        src = sqlite3.connect(_read_only_uri(paths[0]), uri=True, timeout=30)
-        dst = sqlite3.connect(str(tmp))
-        try:
-            src.backup(dst)
-        finally:
-            src.close()
-        try:
-            dst.execute("PRAGMA journal_mode=DELETE")
-            for i, extra in enumerate(paths[1:]):
-                _merge_into(dst, extra, f"src{i}")
-            dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('snapshot_of', ?), ('snapshot_at', ?)",
-                        (json.dumps([str(p) for p in paths] if len(paths) > 1 else str(paths[0])),
-                         json.dumps(time.time())))
-            dst.commit()
-        finally:
-            dst.close()
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+class UntrustedStoreError(ValueError):
+    """A store modscope will not read or copy as it is: one line naming the file and the object."""
 
 
-def _read_only_uri(path: Path) -> str:
-    return f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+def snapshot(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLike[str], *,
+             timeout_s: float | None = None) -> Path:
+    """The stores of one run as one new file made from ``DDL`` (never a pickle): ``probes/store_copy.py``."""
+    from .store_copy import SNAPSHOT_TIMEOUT_S, copy_stores
+    return copy_stores(sources, dest, timeout_s=SNAPSHOT_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
-def _merge_into(dst: sqlite3.Connection, path: Path, alias: str) -> None:
-    """Add every row of the store at ``path`` (another rank) to ``dst``, in one read transaction."""
-    dst.execute(f"ATTACH DATABASE ? AS {alias}", (_read_only_uri(path),))
-    try:
-        dst.execute("BEGIN")
-        for table in TABLES:
-            mine = [r[1] for r in dst.execute(f"PRAGMA main.table_info({table})")]
-            theirs = {r[1] for r in dst.execute(f"PRAGMA {alias}.table_info({table})")}
-            cols = ", ".join(c for c in mine if c in theirs)
-            if not cols:
-                continue
-            verb = "INSERT OR IGNORE" if table == "meta" else "INSERT OR REPLACE"
-            dst.execute(f"{verb} INTO main.{table} ({cols}) SELECT {cols} FROM {alias}.{table}")
-        dst.execute("COMMIT")
-    finally:
-        if dst.in_transaction:
-            dst.execute("ROLLBACK")
-        dst.execute(f"DETACH DATABASE {alias}")
+def guard_reads(conn: sqlite3.Connection, where: object) -> SchemaAudit:
+    """Bound a reader's ``conn`` and audit its store's schema (UntrustedStoreError: ``probes/store_copy.py``)."""
+    from .store_copy import audit, limit_reads
+    limit_reads(conn)
+    return audit(conn, where)
+
+
+def contract_columns() -> Mapping[str, tuple[Column, ...]]:
+    """Each table's columns as ``DDL`` declares them (name, type, not null, key, JSON kind)."""
+    from .store_copy import contract
+    return contract().columns

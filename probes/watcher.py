@@ -1,7 +1,7 @@
 """The Watcher: the public handle of a watched model. It owns step boundaries, the deferred reads of
-sampled steps, losses and counters; the hooks are :mod:`probes.capture`'s, the model is known through
-:mod:`probes.model_index`, samples are decoded by :mod:`probes.decode` and findings are tracked by
-:mod:`probes.tracker`.
+sampled steps, losses and counters; the hooks are :mod:`probes.capture.step`'s, the model is known through
+:mod:`probes.model.index`, samples are decoded by :mod:`probes.capture.decode` and findings are tracked by
+:mod:`probes.findings.tracker`.
 
 Optimizer step hooks mark step boundaries and stay for the whole run (they are not module hooks, so
 modules keep PyTorch's no-hook fast path on unsampled steps).
@@ -26,24 +26,28 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import measure, not_moving, records
-from .capture import StepCapture, StepRecord, release_outputs
-from .checkpoint_keys import CheckpointLoads
-from .evaluation import Evaluator
-from .findings import Finding
-from .guard import ProbeRuntime
-from .hooks import HeldHook
-from .losses import LossRecorder
-from .model_index import IdRegistry, ModelIndex, Presence, build_index, model_signature
-from .records import Op
-from .rundir import RunFiles, interval_channel
-from .runtime_modules import RuntimeModules
-from .sampling import SamplingPolicy
+from .capture import measure
+from .capture.closures import ClosureSteps, StepArgs, optimizer_position
+from .capture.guard import ProbeRuntime
+from .capture.hooks import HeldHook
+from .capture.losses import LossRecorder
+from .capture.rank_clock import RankClock
+from .capture.replicas import close_values
+from .capture.sampling import SamplingPolicy
+from .capture.sentinels import RootSentinel
+from .capture.step import StepCapture, StepRecord, release_outputs
+from .findings.evaluation import Evaluator
+from .findings.finding import Finding
+from .findings.loop_checks import LoopChecks
+from .findings.structural import structural_findings
+from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
+from .model.runtime import RuntimeModules
+from .model.structure import ModuleNode, compiled_modules, model_device, unwrap
 from .schema import RunStatus, StrEnum, display_path
-from .sentinels import RootSentinel
-from .session import StoreSession
-from .structural import structural_findings
-from .structure import ModuleNode, compiled_modules, model_device, unwrap
+from .store import records
+from .store.records import Op
+from .store.rundir import RunFiles, interval_channel
+from .store.session import StoreSession
 
 REBUILD_EVERY = 100           # sampled steps between full structure walks (plain lists can change)
 MAX_UNREAD_STEPS = 4          # a deferred host copy is read at the latest this many steps later
@@ -96,9 +100,11 @@ class Watcher:
         self._activity = measure.UnitActivity(window)
         self._capture = StepCapture(self._probe, self._runtime, self._on_new_module, replicas=world_size > 1)
         self._sentinel = RootSentinel(self._probe)
+        # this rank's own time per step (rank-straggler): only in a job of several processes
+        self._clock = RankClock(self._probe) if world_size > 1 else None
+        self._closures = ClosureSteps(self._gradients_final, self._clock)
+        self.loss_source: Callable[[], Any] | None = None   # the step's loss when nothing records one (zero-code)
         self._stepped: set[int] = set()
-        self._most_forwards = 0                       # the most training forwards a finished step had
-        self._reports = 0                             # w.step() calls since the last step ended
         self._sample_index = 0
         self._unread: UnreadSample | None = None
         self._thread = threading.get_ident()          # the training thread: the only one that reads samples
@@ -113,8 +119,10 @@ class Watcher:
         self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
-        self._loads = CheckpointLoads(self._probe, self._on_checkpoint_load)
-        self._loads.attach(user_model)
+        if self._clock is not None:
+            self._clock.attach(model)
+        self._checks = LoopChecks(self._probe, self._evaluator, self._sentinel, user_model, self._publish,
+                                  stepping=bool(self._optimizers) and not self._external)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._on_opt_pre, oi))))
             self._opt_handles.append(opt.register_step_post_hook(HeldHook(functools.partial(self._on_opt_post, oi))))
@@ -144,20 +152,28 @@ class Watcher:
             if self._optimizers and not self._external:
                 if loss is not None:
                     self._losses.record(max(self._probe.step - 1, 0), loss)
-                self._reports += 1
-                self._check_stalled()
+                self._checks.reported()
                 return
             if loss is not None:
                 self._losses.record(self._probe.step, loss)
             self._end_step()
 
-    def begin_optimizer_step(self, optimizer_index: int = 0) -> None:
-        """(Integrations, ``boundaries="external"``.) The gradients of watched optimizer ``optimizer_index``
-        are final for this step: after accumulation, unscaling and clipping."""
+    def begin_optimizer_step(self, optimizer: int | torch.optim.Optimizer = 0) -> None:
+        """The gradients of a watched optimizer (the optimizer or its index) are final for this step: integrations
+        call it (``boundaries="external"``), a closure may (:func:`probes.begin_optimizer_step`). Only a step's first
+        call counts; one before the closure of the ``step()`` in progress ran waits for its first evaluation."""
+        index = optimizer_position(self._optimizers, optimizer)
+        if index is None:
+            raise ValueError(f"optimizer {optimizer!r:.80} is not watched by {self!r}")
+        if self._closed or self._closures.defers(index):
+            return
+        self._gradients_final(index)
+
+    def _gradients_final(self, index: int) -> None:
         if self._closed or self._capture.record is None:
             return
         with self._probe.guard("optimizer-begin"):
-            self._capture.before_optimizer_step(optimizer_index, self._optimizers[optimizer_index])
+            self._capture.before_optimizer_step(index, self._optimizers[index])
 
     def end_step(self, loss: Any = None) -> None:
         """(Integrations, ``boundaries="external"``.) The training step is over (its optimizer steps done,
@@ -189,7 +205,7 @@ class Watcher:
         its fix and the findings it explains."""
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
-            self._check_stalled()
+            self._checks.check_stalled()
             self._preview_step()
         return FindingList(self._evaluator.active())
 
@@ -231,13 +247,14 @@ class Watcher:
             self._opt_handles.clear()
             self._losses.flush()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
-            with self._probe.guard("close"):
-                self._check_stalled()
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
                 self._publish(self._probe.step, sampled=False)
             self._sentinel.detach()
-            self._loads.detach()
+            if self._clock is not None:
+                self._clock.detach()
+                with self._probe.guard("close-fingerprints"):    # replicas compare these however rarely they sampled
+                    self._writer.submit([records.close_values_op(self.rank, close_values(self._index))], False)
             if self._writer.failing:
                 self._writer.flush()             # one more attempt: if the disk is back, rewrite what was lost
             self._write_counters(status=RunStatus.CLOSED, closed_at=time.time())
@@ -323,20 +340,24 @@ class Watcher:
             self._index = self._rebuild(model)
 
     # ===================================================================== optimizer steps
-    def _on_opt_pre(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed or self._external:    # an integration says when the gradients are final
-            return
-        if opt_index in self._stepped:          # this optimizer steps again: a new step began
+    def _on_opt_pre(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> StepArgs | None:
+        if self._closed:
+            return None
+        if not self._external and opt_index in self._stepped:     # this optimizer steps again: a new step began
             with self._probe.guard("step-boundary"):
                 self._end_step()
-        if self._capture.record is None:
-            return
-        with self._probe.guard("optimizer-pre-hook"):
-            self._capture.before_optimizer_step(opt_index, optimizer)
+        wrapped = None
+        with self._probe.guard("optimizer-closure"):          # a closure says when its gradients are final
+            wrapped = self._closures.step_begins(opt_index, args, kwargs, self._capture.record is not None)
+        if wrapped is None and not self._external and self._capture.record is not None:
+            with self._probe.guard("optimizer-pre-hook"):     # an integration says when the gradients are final
+                self._capture.before_optimizer_step(opt_index, optimizer)
+        return wrapped
 
     def _on_opt_post(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._closed:
             return
+        self._closures.step_ends(opt_index)
         with self._probe.guard("optimizer-post-hook"):
             self._capture.after_optimizer_step(opt_index)
         if self._external:
@@ -351,14 +372,12 @@ class Watcher:
         t_end = time.perf_counter()
         step = self._probe.step
         sampled = self._capture.record is not None
+        compute_ms = self._clock.own_ms((t_end - self._probe.step_t0) * 1e3) if self._clock is not None else None
+        with self._probe.guard("loss-source"):
+            self._losses.record_from(step, self.loss_source)
         if self._unread is not None:               # a deferred sample before this step's own
             self._complete_unread(force=sampled)
         with self._probe.guard("step-sentinels"):
-            self._most_forwards = max(self._most_forwards, self._sentinel.log.train_forwards)
-            self._reports = 0
-            if self._evaluator.outside.get("stalled"):       # a step ended: the optimizer steps again
-                self._evaluator.outside["stalled"] = []
-                self._evaluator.events.changed = True
             if self._sentinel.log.empty() and not self._sentinel.parts_watched:
                 self._sentinel.watch_parts()        # a step without a forward of the model: the loop calls its parts
             self._observe_forwards(step)
@@ -374,7 +393,7 @@ class Watcher:
             with self._probe.guard("step-sentinels"):
                 self._publish(step, sampled=False)
         self._policy.observe(step, step_ms, probe_ms, sampled)
-        self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled)])
+        self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled, compute_ms)])
         if sampled or self._store.counters_due(self._probe.errors):
             self._write_counters(last_step=step)
         self._stepped.clear()
@@ -415,35 +434,16 @@ class Watcher:
         decoded, ops = self._evaluator.decode(step, rec, values, rec.index or self._index)
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
-        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.findings(),
+        self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.sightings(),
                                                      bool(self._optimizers)), droppable=False)
 
     def _publish(self, step: int, sampled: bool) -> None:
-        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.findings(), sampled),
+        self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.sightings(), sampled),
                             droppable=False)
-
-    def _on_checkpoint_load(self) -> None:
-        """A load_state_dict() of the model changed the checkpoint-keys finding: published at once."""
-        self._evaluator.outside["checkpoint-loads"] = self._loads.findings()
-        self._publish(self._probe.step, sampled=False)
-
-    def _check_stalled(self) -> None:
-        """Forwards go on and the watched optimizers do not step (not_moving.stalled_optimizer): said now, and
-        resolved when a step ends. The loop must say its steps go on (w.step() called twice since the last optimizer
-        step), unless no step ever ended: forwards in training mode after the last step may be an evaluation."""
-        if not self._optimizers or self._external or (self._reports < 2 and self._probe.step > 0):
-            return
-        forwards = self._sentinel.log.train_forwards
-        said = self._evaluator.outside.get("stalled")
-        if not not_moving.stalled(forwards, self._most_forwards) or \
-                (said and forwards < 2 * said[0].evidence["forwards"]):     # said again as the count doubles
-            return
-        self._evaluator.outside["stalled"] = [not_moving.stalled_optimizer(forwards, self._most_forwards,
-                                                                           self._probe.step)]
-        self._publish(self._probe.step, sampled=False)
 
     def _observe_forwards(self, step: int) -> None:
         """What the root sentinel saw since the last boundary, which ends here."""
+        self._checks.boundary(closing=self._closed)
         self._evaluator.forwards(step, self._sentinel.take(), self._mode_sensitive(), step_ended=True)
 
     def _mode_sensitive(self) -> list[str]:
@@ -453,7 +453,7 @@ class Watcher:
         """Evaluate the step in progress (findings(), snapshot()) without ending it."""
         with self._probe.guard("preview"):
             ops = self._evaluator.preview(self._probe.step, dataclasses.replace(self._sentinel.log),
-                                          self._mode_sensitive(), self._index, self._runtime.findings())
+                                          self._mode_sensitive(), self._index, self._runtime.sightings())
             if ops:
                 self._writer.submit(ops, droppable=False)
 

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..hooks import HeldHook
-from ..structure import unwrap
+from ..capture.hooks import HeldHook
+from ..model.structure import unwrap
 from . import LossMean, announce, guarded, require, scaler_skips
 
 __all__ = ["watch"]

@@ -36,7 +36,7 @@ import functools
 import importlib
 from typing import Any
 
-from ..hooks import HeldHook
+from ..capture.hooks import HeldHook
 from . import LossMean, WatchOptions, announce, guarded, handles_unscaling, loss_tensor, require, scaler_skips
 
 __all__ = ["LightningWatch", "ModscopeCallback"]

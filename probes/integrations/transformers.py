@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from ..hooks import HeldHook
-from ..structure import compiled_modules, unwrap
+from ..capture.hooks import HeldHook
+from ..model.structure import compiled_modules, unwrap
 from . import LossMean, WatchOptions, announce, calling_trainer, guarded, require, scaler_skips
 
 __all__ = ["ModscopeCallback", "TrainerWatch"]

@@ -1,6 +1,6 @@
 """Zero code (``modscope run``) under a framework's Trainer.
 
-:mod:`probes.autowatch` finds a model at an optimizer step. When that step runs inside a Lightning or
+:mod:`probes.launch.autowatch` finds a model at an optimizer step. When that step runs inside a Lightning or
 Hugging Face ``Trainer`` (one is on the call stack, stepping that optimizer), :func:`attach` adds the
 matching callback to that Trainer instead of a plain watch: the framework's machinery then says when
 gradients are final and when a step ends (Lightning runs forward and backward inside

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.browser
 
 
 def open_key(part: str, code: str, path: str) -> str:
-    """The data-open-key of a finding's <details> (dashboard.components.details_key)."""
+    """The data-open-key of a finding's <details> (dashboard.web.components.details_key)."""
     return json.dumps([part, code, path], separators=(",", ":"))
 
 

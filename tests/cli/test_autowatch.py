@@ -1,4 +1,4 @@
-"""probes.autowatch in-process: which model an optimizer's steps lead to, which optimizers are
+"""probes.launch.autowatch in-process: which model an optimizer's steps lead to, which optimizers are
 watched together, that the global module hooks go at the first step and every hook at close, and
 that a failure in discovery never reaches the training loop."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-from probes import autowatch
+from probes.launch import autowatch
 
 
 class Pair(nn.Module):

@@ -225,7 +225,7 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen | None = None) -> Path:
 
 def test_the_demo_writes_where_the_dashboard_reads_from_any_folder(tmp_path, monkeypatch):
     from dashboard.cli import start_demo_config
-    from dashboard.demo import stop_demo
+    from dashboard.commands.demo import stop_demo
 
     user = tmp_path / "user"
     user.mkdir()
@@ -294,9 +294,10 @@ except KeyboardInterrupt:
 def test_a_stop_while_the_app_is_built_still_stops_the_demo(tmp_path, monkeypatch, stop):
     """Building the app takes seconds, and the demo is already training: a Ctrl-C (KeyboardInterrupt)
     or a SIGTERM (serve's handler raises SystemExit) then must still stop it with its SIGINT."""
-    from dashboard import cli, server
-    from dashboard.config import AppConfig
-    from dashboard.data import Store
+    from dashboard import cli
+    from dashboard.read.store import Store
+    from dashboard.web import server
+    from dashboard.web.config import AppConfig
 
     closed = tmp_path / "closed"
     child = subprocess.Popen([sys.executable, "-c", SLEEPER, str(closed)], stdout=subprocess.PIPE, text=True,

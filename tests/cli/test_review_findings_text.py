@@ -4,7 +4,7 @@ cause is no longer active keeps its own block."""
 
 from __future__ import annotations
 
-from dashboard.findings_cli import format_text
+from dashboard.commands.findings import format_text
 
 
 def finding(code, severity, path, cause=None, run="r1", first=0, last=8):

@@ -1,5 +1,5 @@
 """The store contract, end to end: stores written by the real writer (``probes.watch``) on models of
-the zoo, read through every query ``dashboard.data`` offers, and rendered by every page builder.
+the zoo, read through every query ``dashboard.read.store`` offers, and rendered by every page builder.
 
 The writer's file name is changing, so a run's store is found by globbing ``modscope*.sqlite``.
 """
@@ -21,22 +21,23 @@ from torch import nn
 
 import probes
 from bench import synth_store
-from dashboard import data as data_module
-from dashboard.data import (
+from dashboard.read import store as data_module
+from dashboard.read.compare import compare_stores
+from dashboard.read.run import RunDir, fold_causes, root_counts
+from dashboard.read.store import (
     RunState,
     Store,
-    compare_stores,
     in_wal_mode,
     last_modified,
     resolve_store_path,
     writer_present,
 )
-from dashboard.pages import findings as findings_page
-from dashboard.pages import modules as modules_page
-from dashboard.pages import overview as overview_page
-from dashboard.report import build_report
-from dashboard.run import RunDir, fold_causes, root_counts
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.pages import modules as modules_page
+from dashboard.web.pages import overview as overview_page
+from dashboard.web.report import build_report
 from probes import schema
+from probes.store import rundir
 from tests.probes import zoo
 
 STEPS = 12
@@ -308,12 +309,13 @@ def test_module_series_histograms_and_params(runs):
     assert all(row["step"] == STEPS - 1 for row in latest.values())
     assert s.state_dict_keys() == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
     # what `modscope checkpoint` compares a file with: the registered tensors and the plain list's, by their modules
-    tensors = {r["path"]: r for r in s.checkpoint_tensors()}
-    assert (tensors["stem.weight"]["registered"], tensors["stem.weight"]["in_state_dict"],
-            tensors["stem.weight"]["shape"], tensors["stem.weight"]["module_kind"]) == (1, 1, "[16, 2]", "registered")
+    tensors = {t.path: t for t in s.checkpoint_tensors()}
+    stem_w = tensors["stem.weight"]
+    assert (stem_w.registered, stem_w.in_state_dict, stem_w.shape, stem_w.module_kind) == \
+        (True, True, (16, 2), "registered")
     block = tensors[f"{BLOCKS[0]}.weight"]
-    assert (block["registered"], block["in_state_dict"], block["module_path"], block["module_kind"],
-            block["module_type"], block["numel"]) == (0, 0, BLOCKS[0], "unregistered", "Linear", 256)
+    assert (block.registered, block.in_state_dict, block.module_path, block.module_kind, block.module_type,
+            block.numel) == (False, False, BLOCKS[0], "unregistered", "Linear", 256)
     assert len(tensors) == 10
 
 
@@ -323,7 +325,7 @@ def test_snapshot_round_trip(runs, tmp_path):
     snap = tmp_path / "snap.sqlite"
     snap.write_bytes(s.snapshot_bytes())
     copy = Store.open_snapshot(snap)
-    assert not copy.live and copy.meta()["snapshot_of"] == str(s.path)
+    assert not copy.live and copy.meta()["snapshot_of"] == s.path.name
     ignore = {"path", "live"}
     assert {k: v for k, v in copy.overview().items() if k not in ignore} == \
         {k: v for k, v in s.overview().items() if k not in ignore}
@@ -466,7 +468,7 @@ def test_a_real_store_as_version_3(runs, tmp_path):
     assert old.change_signature().structure[0] == 7
     tree, _ = modules_page.build_tree(old, 0, [m["module_id"] for m in old.all_modules()], None)
     assert {r["kind"] for r in tree["rows"]} == {"registered", "unregistered"}
-    from probes.store import connect_writer
+    from probes.store.writer import connect_writer
     conn = connect_writer(copy)
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
@@ -659,7 +661,7 @@ def test_the_learning_rate_a_scheduler_sets_is_stored_per_step(tmp_path):
 
 # -- the queries behind a run of several ranks, on a real store ------------------------------------------------
 def test_cross_rank_queries_on_a_real_store(runs):
-    """What dashboard.run and dashboard.crossrank read of each rank, against the real writer's store."""
+    """What dashboard.read.run and dashboard.read.crossrank read of each rank, against the real writer's store."""
     r = runs["xor"]
     s = r.store
     assert s.sampled_steps(0) == list(range(STEPS))[::-1] and s.sampled_steps(0, 3) == [STEPS - 1, STEPS - 2, STEPS - 3]
@@ -686,8 +688,37 @@ def test_cross_rank_queries_on_a_real_store(runs):
     assert last_modified(store_file(r.run_dir)) >= s.overview()["closed_at"] - 1
 
 
+def test_replica_queries_on_stores_of_two_real_ranks(tmp_path, monkeypatch):
+    """What the writer of a rank of a data-parallel job adds (each step's own time, the replicated tensors at
+    close), read back: two ranks of one run written in this process (RANK / WORLD_SIZE as torchrun sets them)."""
+    monkeypatch.setenv("MODSCOPE_RUN_ID", "pair")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    x, y = zoo.xor_data(64)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setattr(rundir, "_explicit_uses", {})      # each "rank" is the run's first watch()
+        torch.manual_seed(0)
+        model = zoo.XORClassifier()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train(tmp_path, model, opt, classifier_step(model, opt, x, y), steps=6)
+    run = RunDir.open(tmp_path).run()
+    assert run.ranks() == [0, 1]
+    for rank in (0, 1):
+        s = run.at(rank)
+        times = s.compute_times(rank)
+        assert [step for step, _ in times] == list(range(6))[::-1] and all(ms > 0 for _, ms in times)
+        closing = s.close_values(rank)
+        assert closing is not None and closing.after_step == 5
+        assert {"stem.weight", "head.bias"} <= set(closing.values)
+        assert all(fp is not None and dn > 0 for fp, dn in closing.values.values())
+        assert closing.values["stem.weight"][1] == pytest.approx(float(model.stem.weight.detach().norm()), rel=1e-5)
+    # the same data on both "ranks": identical replicas, nothing cross-rank to say
+    assert run.at(0).close_values(0).values == run.at(1).close_values(1).values
+    assert run.cross_rank_findings() == []
+
+
 def test_a_real_run_read_as_a_run(runs, tmp_path):
-    """The run directory of a real (one-rank) run through dashboard.run: one run, its findings once,
+    """The run directory of a real (one-rank) run through dashboard.read.run: one run, its findings once,
     consequences folded under the root causes the writer named."""
     r = runs["xor"]
     source = RunDir.open(r.run_dir)
@@ -712,6 +743,9 @@ def test_a_real_run_read_as_a_run(runs, tmp_path):
     assert Store.open_snapshot(snap).findings(active=None) == r.store.findings(active=None)
     data, step = run.snapshot_with_step(0)          # the step a download's name gives: the copy's own
     assert step == STEPS - 1 and data[:16] == b"SQLite format 3\x00"
+    streamed = tmp_path / "streamed.sqlite"         # the Snapshot button's and `modscope snapshot`'s: written to disk
+    assert data_module.snapshot_to(run.snapshot_files(), streamed, 0) == STEPS - 1
+    assert Store.open_snapshot(streamed).findings(active=None) == r.store.findings(active=None)
 
 
 def s_meta_run_id(r: Recorded) -> str:
@@ -740,11 +774,12 @@ def test_every_page_builder_renders_a_real_store(runs, name):
 
 # -- the contract test covers every query ----------------------------------------------------------------------
 def test_every_public_query_is_exercised_here():
-    """A query added to dashboard.data must be read here against real stores too."""
+    """A query added to the read side (dashboard.read.store) must be read here against real stores too."""
     source = HERE.read_text()
     queries = {name for name, member in inspect.getmembers(Store) if not name.startswith("_") and callable(member)}
-    functions = {name for name, member in inspect.getmembers(data_module, inspect.isfunction)
-                 if member.__module__ == data_module.__name__ and not name.startswith("_")}
+    # the read side's functions: those its front door exports, and the comparison of two stores
+    functions = {name for name in data_module.__all__ if inspect.isfunction(getattr(data_module, name))}
+    functions.add(compare_stores.__name__)
     not_queries = {"one_line", "check_header", "severity_rank", "liveness", "process_alive", "duration_text",
                    "status_text", "snapshot_liveness"}
     assert {"findings", "module_series", "compare_stores", "resolve_store_path"} <= queries | functions

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from bench import synth_store
-from dashboard import figures
-from dashboard.data import Store
-from dashboard.pages import compare as compare_page
-from dashboard.pages import findings as findings_page
-from dashboard.pages import modules as modules_page
-from dashboard.pages import overview as overview_page
-from dashboard.report import build_report
-from dashboard.run import RunDir
-from dashboard.security import is_loopback
-from dashboard.server import AppConfig, create_app
+from dashboard.read.run import RunDir
+from dashboard.read.store import Store
+from dashboard.web import figures
+from dashboard.web.pages import compare as compare_page
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.pages import modules as modules_page
+from dashboard.web.pages import overview as overview_page
+from dashboard.web.report import build_report
+from dashboard.web.security import is_loopback
+from dashboard.web.server import AppConfig, create_app
 from probes import schema
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_bad_port_and_usage(tmp_path, demo_snapshot):
 
 def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, tmp_path):
     """Without torch (blocked), every dashboard module imports, a snapshot opens, the report and the
-    app build: of probes only the torch-free contract (probes.schema) is loaded."""
+    app build: of probes only the torch-free contract (probes.schema, and the stdlib module it calls) is loaded."""
     code = (
         "import sys, builtins, pkgutil, importlib\n"
         "sys.modules['torch'] = None\n"                 # as if torch were not installed
@@ -125,25 +125,28 @@ def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, t
         "import app, dashboard\n"
         "for m in pkgutil.walk_packages(dashboard.__path__, 'dashboard.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from dashboard.data import Store\n"
-        "from dashboard.report import build_report\n"
-        "import dashboard.server\n"
+        "from dashboard.read.store import Store\n"
+        "from dashboard.web.report import build_report\n"
+        "import dashboard.web.server\n"
         "s = Store.open_snapshot(sys.argv[2])\n"
         "build_report(s)\n"
-        "dashboard.server.create_app(dashboard.server.AppConfig(mode='review', store=s)).layout()\n"
+        "dashboard.web.server.create_app(dashboard.web.server.AppConfig(mode='review', store=s)).layout()\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'probes') and sys.modules[m])\n"
-        "assert loaded == ['probes', 'probes._version', 'probes.schema'], loaded\n"
+        # probes.store_copy and probes.state_dict_keys: the schema's stdlib halves (the read guard and the snapshot;
+        # state-dict key prefixes), loaded by probes.schema
+        "assert loaded == ['probes', 'probes._version', 'probes.schema', 'probes.state_dict_keys', "
+        "'probes.store_copy'], loaded\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
                        text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def test_sql_only_in_the_data_module():
+def test_sql_only_on_the_read_side():
     pattern = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\b\s+[\w*(]")
     offenders = []
     for p in (REPO / "dashboard").rglob("*.py"):
-        if p.name == "data.py":
+        if p.parent.name == "read":
             continue
         if pattern.search(p.read_text()) or "sqlite3" in p.read_text():
             offenders.append(p.name)
@@ -212,7 +215,7 @@ def test_page_builders(demo_snapshot, tmp_path):
     assert findings_page.finding_list(s.findings(), ["error"])
     assert findings_page.finding_list([], ["error"])[0].children == "No findings. ✓"
     synth_store.demo(tmp_path / "after" / "modscope.sqlite", fixed=True, steps=5)
-    from dashboard.data import compare_stores
+    from dashboard.read.store import compare_stores
     cmp = compare_stores(s, Store.open_snapshot(tmp_path / "after" / "modscope.sqlite"))
     assert compare_page.modules_table(cmp, True, ("before", "after"))
     create_app(AppConfig(mode="compare", store=s, store_b=s))
@@ -222,8 +225,8 @@ def test_page_builders(demo_snapshot, tmp_path):
 def test_findings_tab_count_comes_with_the_page(demo_snapshot, tmp_path):
     """The number of active root causes next to "Findings" is in the page as it is loaded: the shell's
     callback only follows changes of the tick, and a closed run or a snapshot never changes."""
-    from dashboard import ids
-    from dashboard.run import fold_causes, root_counts
+    from dashboard.read.run import fold_causes, root_counts
+    from dashboard.web import ids
     s = Store.open_snapshot(demo_snapshot)
     errors = root_counts(fold_causes(RunDir.from_store(s).run().findings_merged(active=True, rank=0)))["error"]
     assert errors > 0
@@ -239,7 +242,7 @@ def test_findings_are_drawn_as_the_user_left_them(tmp_path):
     drawn again on every poll of a live run); a toggle reported by the page's script opens or closes one."""
     from dash import html
 
-    from dashboard.components import details_key
+    from dashboard.web.components import details_key
     path = tmp_path / "three" / "modscope.sqlite"
     synth_store.three_layers(path)            # 3 root causes with evidence, each with 4 consequences
     items = RunDir.from_store(Store.open_snapshot(path)).run().folded_findings(active=True, rank=0)
@@ -267,7 +270,7 @@ def test_findings_page_keeps_what_was_opened_in_the_tabs_session(demo_snapshot):
     its restored value, an input of the list, draws open again what was); the list's own copy does not."""
     from dash import dcc
 
-    from dashboard import ids
+    from dashboard.web import ids
     config = AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot))
     stores = {c.id: c for c in findings_page.layout(config)._traverse() if isinstance(c, dcc.Store)}
     assert stores[ids.FINDINGS_TOGGLE].storage_type == "session"
@@ -284,8 +287,8 @@ def test_a_finding_opens_its_module_by_a_button_of_its_own(tmp_path):
     consequences'. A finding without a module has no button, and a click on it opens nothing."""
     from dash import html
 
-    from dashboard import ids
-    from dashboard.components import finding_card
+    from dashboard.web import ids
+    from dashboard.web.components import finding_card
     path = tmp_path / "three" / "modscope.sqlite"
     synth_store.three_layers(path)
     items = RunDir.from_store(Store.open_snapshot(path)).run().folded_findings(active=True, rank=0)
@@ -328,8 +331,8 @@ def test_module_detail_is_drawn_as_the_user_left_them(tmp_path):
     (drawn again for a toggle); the detail panel names the store its script reports toggles into."""
     from dash import Patch, html, no_update
 
-    from dashboard import ids
-    from dashboard.components import details_key, toggled
+    from dashboard.web import ids
+    from dashboard.web.components import details_key, toggled
     st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
     run = RunDir.from_store(Store.open_run(tmp_path)).run()
     mid = run.at(0).search_modules(0, "encoder.blocks[1]", None, 1)["items"][0]["module_id"]

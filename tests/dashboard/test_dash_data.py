@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from bench import synth_store
-from dashboard.data import (
-    STALL_MIN_S,
+from dashboard.read.compare import compare_stores
+from dashboard.read.liveness import STALL_MIN_S
+from dashboard.read.store import (
     Heartbeat,
     QueryTimeoutError,
     RunState,
     Store,
     StoreError,
     StoreNotReadyError,
-    compare_stores,
     liveness,
     process_alive,
     resolve_store_path,
@@ -163,7 +163,7 @@ def test_snapshot_bytes_are_one_consistent_file(tmp_path):
     conn.close()
     s = Store.open_snapshot(snap)
     assert s.overview()["step"] == 9 and s.last_step() == 9
-    assert s.meta()["snapshot_of"] == str(live.path)
+    assert s.meta()["snapshot_of"] == live.path.name      # the file name, not where it was
     assert not (tmp_path / "snap.sqlite-wal").exists()
 
 
@@ -484,9 +484,9 @@ def test_finished_run_in_a_read_only_place():
     assert not (run / "modscope.sqlite-wal").exists()
     shutil.copytree(repo / "dashboard", lib / "dashboard")
     (lib / "probes").mkdir()
-    for name in ("__init__.py", "_version.py", "schema.py"):
+    for name in ("__init__.py", "_version.py", "schema.py", "store_copy.py"):    # the stdlib files the dashboard uses
         shutil.copy(repo / "probes" / name, lib / "probes" / name)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dashboard import data; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dashboard.read import store as data; "
             "s = data.Store.open_run(sys.argv[2]); print(s.overview()['step'], len(s.module_series(0, 1)['step']))")
     for p in (*lib.rglob("*"), run / "modscope.sqlite"):
         if p.is_file():
@@ -547,7 +547,7 @@ def test_a_tied_weight_is_listed_under_every_module_that_owns_it(tmp_path):
 
 
 def test_compare_counts_root_causes_like_every_other_page(tmp_path):
-    from dashboard.run import fold_causes, root_counts
+    from dashboard.read.run import fold_causes, root_counts
     synth_store.three_layers(tmp_path / "a" / "modscope.sqlite")      # 3 root causes, 12 consequences
     a = Store.open_run(tmp_path / "a")
     assert len(a.findings()) == 15
@@ -569,7 +569,7 @@ def test_optimizer_count(tmp_path):
 
 
 def test_snapshot_is_named_by_the_step_it_holds(tmp_path):
-    from dashboard.run import RunDir
+    from dashboard.read.run import RunDir
     st = synth_store.demo(tmp_path / "modscope.sqlite", steps=5, live=True)
     run = RunDir.open(tmp_path).run()
     data, step = run.snapshot_with_step(0)

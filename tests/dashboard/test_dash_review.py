@@ -6,11 +6,11 @@ from __future__ import annotations
 from test_dash_app import _text
 from test_dash_data import removed_store
 
-from dashboard.components import finding_card
-from dashboard.data import Store
-from dashboard.pages import findings as findings_page
-from dashboard.pages import overview as overview_page
-from dashboard.run import RunDir
+from dashboard.read.run import RunDir
+from dashboard.read.store import Store
+from dashboard.web.components import finding_card
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.pages import overview as overview_page
 
 
 def test_a_finding_about_a_removed_module_says_so_not_resolved(tmp_path):
@@ -48,7 +48,7 @@ def test_overview_counts_the_modules_removed_during_the_run(tmp_path):
 def test_compare_summary_tells_apart_the_values_it_highlights():
     """Compare highlighted "final loss 1.39 | 1.39" as changed (1.3874 and 1.3901): two values that differ are
     shown with the digits that tell them apart; equal ones, and integers, as before."""
-    from dashboard.pages import compare as compare_page
+    from dashboard.web.pages import compare as compare_page
     cmp = {"a": {"path": "a"}, "b": {"path": "b"}, "summary": [
         {"metric": "final loss", "a": 1.3874, "b": 1.3901, "changed": True},
         {"metric": "last step", "a": 79, "b": 79, "changed": False},
@@ -69,7 +69,7 @@ def test_report_says_what_the_header_says_of_the_writer(tmp_path):
     import sys
 
     from bench import synth_store
-    from dashboard.report import build_report
+    from dashboard.web.report import build_report
     from probes import schema
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -90,7 +90,7 @@ def test_a_removed_module_under_a_removed_parent_is_drawn_where_it_was_when_sele
     """model.blocks.pop(3) removes blocks.3 and its ReLU blocks.3.1; the ReLU's dead-units finding opens it. The
     head (its parent, the root, still there) was drawn where it was; the ReLU was not drawn at all (its parent
     is no longer in the tree): 9 rows, none selected. It is drawn under its parent, itself drawn where it was."""
-    from dashboard.pages import modules as modules_page
+    from dashboard.web.pages import modules as modules_page
     st, ids = removed_store(tmp_path / "modscope.sqlite")
     act = st.add_module("encoder.blocks.2.act", ids["encoder.blocks.2"], "act", "ReLU")
     st.conn.execute("UPDATE modules SET removed_step = 10 WHERE module_id = ?", (act,))
@@ -114,7 +114,7 @@ def test_a_module_inside_torchscript_says_why_it_has_no_samples(tmp_path):
     said "No activation samples for this module yet." as if they would come. It says where they run; a module
     not called yet still says "yet"."""
     from bench import synth_store
-    from dashboard.pages import modules as modules_page
+    from dashboard.web.pages import modules as modules_page
     path = tmp_path / "modscope.sqlite"
     st = synth_store.demo(path, steps=3, live=True)
     root = st.modules[0]["module_id"]

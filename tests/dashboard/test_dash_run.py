@@ -1,5 +1,5 @@
-"""Runs: the rank files of one run read as one (dashboard.run), the runs of one directory, the findings
-only a comparison of ranks shows (dashboard.crossrank), root causes with their consequences folded
+"""Runs: the rank files of one run read as one (dashboard.read.run), the runs of one directory, the findings
+only a comparison of ranks shows (dashboard.read.crossrank), root causes with their consequences folded
 under them; the views and page builders over a run. Stores from synth_store (one file per rank, as
 the writer lays them out); no torch."""
 
@@ -15,15 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench import synth_store
-from dashboard import crossrank
-from dashboard.config import AppConfig
-from dashboard.data import RunState, Store, StoreError, StoreNotReadyError
-from dashboard.pages import findings as findings_page
-from dashboard.pages import modules as modules_page
-from dashboard.pages import overview as overview_page
-from dashboard.poll import banner, header_text, read_tick
-from dashboard.report import build_report
-from dashboard.run import (
+from dashboard.read import crossrank
+from dashboard.read.run import (
     NEWEST,
     RunDir,
     compare_runs,
@@ -33,6 +26,13 @@ from dashboard.run import (
     root_counts,
     scan_runs,
 )
+from dashboard.read.store import RunState, Store, StoreError, StoreNotReadyError
+from dashboard.web.config import AppConfig
+from dashboard.web.pages import findings as findings_page
+from dashboard.web.pages import modules as modules_page
+from dashboard.web.pages import overview as overview_page
+from dashboard.web.poll import banner, header_text, read_tick
+from dashboard.web.report import build_report
 from probes import schema
 
 W = "encoder.blocks.1.weight"

@@ -14,14 +14,14 @@ from dash import no_update
 from dash.exceptions import PreventUpdate
 
 from bench import synth_store
-from dashboard import server
-from dashboard.components import badge_specs, finding_badges
-from dashboard.config import AppConfig, Mode
-from dashboard.data import Store, StoreError, StoreNotReadyError
-from dashboard.pages import modules as modules_page
-from dashboard.pages import page_at, pages_for
-from dashboard.poll import Tick, banner, duration_text, header_text, read_tick, reads_store
-from dashboard.report import build_report
+from dashboard.read.store import Store, StoreError, StoreNotReadyError
+from dashboard.web import server
+from dashboard.web.components import badge_specs, finding_badges
+from dashboard.web.config import AppConfig, Mode
+from dashboard.web.pages import modules as modules_page
+from dashboard.web.pages import page_at, pages_for
+from dashboard.web.poll import Tick, banner, duration_text, header_text, read_tick, reads_store
+from dashboard.web.report import build_report
 from probes import schema
 
 
@@ -39,8 +39,8 @@ def texts(components) -> list[str]:
 def test_app_config_names_the_bad_value(demo):
     with pytest.raises(ValueError, match=r"^mode 'watch' is not one of live, review, compare$"):
         AppConfig(mode="watch", store=demo)
-    with pytest.raises(TypeError, match=r"^store must be a dashboard\.data\.Store or a dashboard\.run\.RunDir, "
-                                         r"got None$"):
+    with pytest.raises(TypeError, match=r"^store must be a dashboard\.read\.store\.Store or a "
+                                         r"dashboard\.read\.run\.RunDir, got None$"):
         AppConfig(mode="review", store=None)
     with pytest.raises(TypeError, match=r"^mode 'compare' needs a second store"):
         AppConfig(mode="compare", store=demo)

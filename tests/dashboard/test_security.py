@@ -1,4 +1,4 @@
-"""The dashboard's request-level protection (dashboard/security.py, docs/security.md): the
+"""The dashboard's request-level protection (dashboard/web/security.py, docs/security.md): the
 --host/--token/--run checks, the Host check against DNS rebinding, the Origin check, the token
 and its cookie, and 404s for bogus component paths. Against the Flask test client and against a
 real ``python app.py`` server. The Chromium half is in tests/browser/test_browser_security_scale.py.
@@ -20,9 +20,9 @@ import pytest
 from browser_helpers import Server
 
 from bench import synth_store
-from dashboard import ids
-from dashboard.data import Store
-from dashboard.security import (
+from dashboard.read.store import Store
+from dashboard.web import ids
+from dashboard.web.security import (
     check_host,
     check_token,
     generate_token,
@@ -30,7 +30,7 @@ from dashboard.security import (
     same_origin,
     split_host_header,
 )
-from dashboard.server import AppConfig, create_app
+from dashboard.web.server import AppConfig, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "tok-0123456789abcdefghij"          # 24 url-safe characters

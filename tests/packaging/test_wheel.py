@@ -116,8 +116,9 @@ def test_the_wheel_holds_both_packages_the_assets_and_the_console_script(site):
         dist = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = zf.read(f"{dist}/entry_points.txt").decode()
         metadata = zf.read(f"{dist}/METADATA").decode()
-    for name in ("probes/__init__.py", "probes/schema.py", "probes/autorun.py", "probes/autowatch.py",
-                 "probes/notebook.py", "dashboard/cli.py", "dashboard/findings_cli.py", "dashboard/pages/__init__.py",
+    for name in ("probes/__init__.py", "probes/schema.py", "probes/launch/autorun.py", "probes/launch/autowatch.py",
+                 "probes/findings/rules/__init__.py", "probes/notebook.py", "dashboard/cli.py",
+                 "dashboard/commands/findings.py", "dashboard/web/pages/__init__.py",
                  "dashboard/assets/modscope.css", "dashboard/assets/modscope.js", "dashboard/assets/report.css",
                  "dashboard/demo_train.py"):
         assert name in names, name

@@ -55,7 +55,7 @@ def test_deepcopy_of_a_watched_model_works_and_the_copy_is_not_watched(run_dir, 
         assert {f.code for f in w.findings()} & {"train-mode-under-no-grad", "training-mode-mismatch"} == set()
         assert w.probe_errors == {}
     copied = [h for m in ema.modules() for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]]
-    assert all(h is probes.hooks.inert_hook for h in copied)
+    assert all(h is probes.capture.hooks.inert_hook for h in copied)
     assert all(not p._backward_hooks for p in ema.parameters())
 
 
@@ -85,7 +85,7 @@ def test_a_watched_model_saved_whole_loads_without_modscope_s_hooks(run_dir):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     held = [*loaded._forward_pre_hooks.values(), *loaded._forward_hooks.values()]
-    assert held and all(h is probes.hooks.inert_hook for h in held)
+    assert held and all(h is probes.capture.hooks.inert_hook for h in held)
     model.eval()
     loaded.eval()
     assert loaded(x).shape == (32, 2)

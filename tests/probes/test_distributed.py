@@ -61,7 +61,7 @@ def test_a_rank_waits_while_another_rank_creates_the_store(tmp_path):
     import threading
     import time
 
-    from probes.store import StoreWriter
+    from probes.store.writer import StoreWriter
     path = tmp_path / "s.sqlite"
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")                  # the other rank, mid-creation (a write lock)

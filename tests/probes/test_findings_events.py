@@ -244,7 +244,7 @@ def test_a_head_replaced_after_the_optimizer_is_one_bug():
     model.head = nn.Linear(32, 4)
     stale = [f for f in probes.audit(model, opt) if f.code == "stale-optimizer-param"]
     assert stale and all(f.cause is None for f in stale)   # the static audit reports; the watcher folds
-    from probes.causes import assign_causes
+    from probes.findings.causes import assign_causes
     folded = [f for f in assign_causes(probes.audit(model, opt)) if f.code == "stale-optimizer-param"]
     assert {f.cause for f in folded} == {("not-in-optimizer", "head.weight"), ("not-in-optimizer", "head.bias")}
 
@@ -437,9 +437,9 @@ def test_a_gradient_on_a_tensor_no_module_owns_is_no_bypass_and_breaks_no_sample
     import dataclasses
     from types import MappingProxyType
 
-    from probes import model_index
-    from probes.capture import StepRecord
-    from probes.evaluation import bypass_candidates
+    from probes.capture.step import StepRecord
+    from probes.findings.evaluation import bypass_candidates
+    from probes.model import index as model_index
 
     model = zoo.Bypass()
     index = model_index.build_index(model, [torch.optim.SGD(model.parameters(), lr=0.1)], model_index.IdRegistry())

@@ -153,8 +153,8 @@ def test_a_tensor_left_unzeroed_does_not_say_most_others_are_zeroed(run_dir):
 
 
 def test_the_count_of_zeroed_tensors_is_said_when_known():
-    from probes import findings
+    from probes.findings.rules import GradAccumulating
 
-    f = findings.grad_accumulating("0.weight", [0.5, 0.7], [0.2, 0.2], 5, optimizer=0, zeroed=2, judged=8)
+    f = GradAccumulating.build("0.weight", [0.5, 0.7], [0.2, 0.2], 5, optimizer=0, zeroed=2, judged=8)
     assert "2 of the 8 tensors it holds that got gradients are zeroed" in f.message
     assert f.evidence["tensors_zeroed"] == 2 and f.evidence["tensors_with_gradients"] == 8

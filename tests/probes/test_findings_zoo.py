@@ -88,15 +88,15 @@ def test_containers_of_any_depth_and_cycles():
             self.nested = [({"deep": nn.Linear(2, 2)},)]
             self.helper = Holder()
             self.tags = {nn.Identity()}
-            self.drops = {nn.Dropout(0.1)}
+            self.drops = [nn.Dropout(0.1)]
             self.loop = [self.fc]
             self.loop.append(self.loop)
     paths = {f.path: f.severity for f in probes.audit(M()) if f.code == "unregistered-module"}
     assert paths["adapters['a']"] == "error"
     assert paths["nested[0][0]['deep']"] == "error"
     assert paths["helper.proj"] == "error"
-    assert "tags{0}" not in paths                   # stateless: nothing to miss (drawn in the tree only)
-    assert paths["drops{0}"] == "error"             # no parameters, but a mode that eval() misses
+    assert "tags{0}" not in paths                  # no state and no mode: nothing can miss it
+    assert paths["drops[0]"] == "error"            # no parameters, but model.eval() never reaches it
     assert "fc" not in paths and "loop[0]" not in paths
 
 

@@ -1,7 +1,7 @@
 """On an accelerator every host read of a device value is a sync that stalls the training loop: a sampled step
 must read nothing before its one host copy (issue 14, point 4), and that copy is read at a later step boundary.
 
-The accelerator's path runs here on CPU tensors: the tests empty ``measure.FREE_READ_DEVICES`` (the device types
+The accelerator's path runs here on CPU tensors: the tests empty ``tensors.FREE_READ_DEVICES`` (the device types
 whose reads cost no sync) and put the CPU into ``measure.DEFERRED_COPY_DEVICES``, so every decision the probes take
 for a CUDA tensor is taken for these. A torch function mode counts the host reads the probes make (``item``,
 ``tolist``, ``float()``, ``nonzero``...) outside the reading of a copy; on a GPU, ``python -m bench.overhead
@@ -23,7 +23,9 @@ from torch.overrides import TorchFunctionMode
 
 import probes
 from bench import stored_stats
-from probes import measure, watcher
+from probes import watcher
+from probes.capture import measure
+from probes.model import tensors
 
 PROBES_DIR = os.path.dirname(probes.__file__) + os.sep
 # what reads a tensor's values on the host (on a GPU: waits for the device)
@@ -76,7 +78,7 @@ def host_reads(monkeypatch):
 
 @pytest.fixture
 def accelerator_path(monkeypatch):
-    monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
+    monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
     monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
 
 
@@ -135,7 +137,7 @@ def test_the_count_sees_the_reads_the_cpu_path_makes(tmp_path, host_reads):
     factory, batch = CASES["cnn"]
     _train("cnn", factory, batch, lambda m, o: probes.watch(m, o, run_dir=tmp_path, every=1), 3, host_reads)
     assert host_reads.reads[("item", "measure.py:call_chunk")] > 0
-    assert host_reads.reads[("nonzero", "capture.py:measure_updates")] == 3
+    assert host_reads.reads[("nonzero", "step.py:measure_updates")] == 3
 
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from probes import measure as M
-from probes import tensor_stats as TS
+from probes.capture import measure as M
+from probes.capture import tensor_stats as TS
 from probes.schema import HIST_BINS, HIST_EDGES, ZERO_BIN
 
 
@@ -313,7 +313,7 @@ def test_stored_zero_fraction_is_the_share_of_zeros_in_each_output(tmp_path, row
     import sqlite3
 
     import probes
-    from probes import batch
+    from probes.capture import batch
 
     assert (rows * 64 > batch.SMALL_OUTPUT) == (rows == 256)
     torch.manual_seed(0)
@@ -340,7 +340,7 @@ def test_stored_zero_fraction_is_the_share_of_zeros_in_each_output(tmp_path, row
 
 
 def test_a_column_as_floats_with_none_as_nan():
-    from probes.decode import floats
+    from probes.capture.decode import floats
 
     assert floats([1, 2.5, True]).tolist() == [1.0, 2.5, 1.0]
     mixed, empty_column = floats([None, 2.0]), floats([None, None, None])

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from helpers import codes, stored
 
 import probes
-from probes import measure
+from probes.capture import measure
+from probes.model import tensors
 
 
 class Heads(nn.Module):
@@ -45,7 +46,7 @@ def steps(model, opt, w, n, seed=0):
 @pytest.fixture(params=["cpu", "accelerator"])
 def read_path(request, monkeypatch):
     if request.param == "accelerator":
-        monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
+        monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
         monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     return request.param
 
@@ -188,7 +189,7 @@ def test_a_truncated_walk_removes_no_unregistered_module():
     or tensor: those it missed are not taken for removed; registered ones (model.modules()) still are."""
     from types import SimpleNamespace as NS
 
-    from probes.model_index import Presence
+    from probes.model.index import Presence
 
     def index(modules, tensors, truncated=False):
         return NS(structure=NS(walk_truncated=truncated), modules={i: NS(kind=k) for i, k in modules.items()},

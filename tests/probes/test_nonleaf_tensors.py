@@ -16,7 +16,8 @@ from helpers import stored
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import probes
-from probes import measure
+from probes.capture import measure
+from probes.model import tensors
 
 
 class Net(nn.Module):
@@ -44,7 +45,7 @@ class WithEma(nn.Module):
 @pytest.fixture(params=["cpu", "accelerator"])
 def read_path(request, monkeypatch):
     if request.param == "accelerator":
-        monkeypatch.setattr(measure, "FREE_READ_DEVICES", frozenset())
+        monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
         monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     return request.param
 

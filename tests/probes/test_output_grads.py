@@ -7,7 +7,7 @@ from helpers import train
 from torch import nn
 
 import probes
-from probes import batch
+from probes.capture import batch
 
 
 def _model() -> nn.Sequential:

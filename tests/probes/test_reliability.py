@@ -13,7 +13,7 @@ import zoo
 from helpers import train
 
 import probes
-from probes import measure
+from probes.capture import measure
 
 
 def hook_dicts(module):
@@ -327,7 +327,7 @@ def test_default_budget_samples_only_some_steps(run_dir):
 
 
 def test_full_queue_drops_samples_and_counts_them(run_dir, monkeypatch):
-    from probes import store
+    from probes.store import writer as store
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = probes.watch(model, opt, run_dir=run_dir, every=1)
@@ -351,7 +351,7 @@ def test_failure_while_finishing_a_sample_still_ends_the_step(run_dir, monkeypat
     model = zoo.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with probes.watch(model, opt, run_dir=run_dir, every=2) as w:
-        from probes import decode
+        from probes.capture import decode
         monkeypatch.setattr(decode, "module_columns", lambda *a: 1 / 0)
         train(model, opt, w, 4, lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))))
         assert w.step_count == 4

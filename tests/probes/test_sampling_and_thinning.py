@@ -7,8 +7,8 @@ import zoo
 from helpers import train
 
 import probes
-from probes import session as session_mod
-from probes.sampling import MAX_INTERVAL, SamplingPolicy
+from probes.capture.sampling import MAX_INTERVAL, SamplingPolicy
+from probes.store import session as session_mod
 
 
 def feed(policy, plain_ms, sampled_ms, probe_ms, steps):

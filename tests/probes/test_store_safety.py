@@ -110,7 +110,7 @@ class FaultySQLite:
     """Makes the writer's statements fail with SQLite's own 'database or disk is full' while on."""
 
     def __init__(self, monkeypatch):
-        from probes.store import StoreWriter
+        from probes.store.writer import StoreWriter
         self.on = False
         original = StoreWriter._execute
 
@@ -243,8 +243,8 @@ def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_pat
     thread); what it stores equals a statement per row: every row, the last duplicate of a key winning,
     the rows left over after the last full statement, NULLs and BLOBs, and other statements untouched.
     Rows given as columns (records.ColumnRows, what a sampled step hands over) are stored alike."""
-    from probes import records
-    from probes.store import ROWS_PER_STATEMENT, StoreWriter
+    from probes.store import records
+    from probes.store.writer import ROWS_PER_STATEMENT, StoreWriter
 
     n = 3 * ROWS_PER_STATEMENT + 5
     rows = [(0, m, 7, 1, 128, 0.1 * m, None, 0.3, 0.0, None, -1.0, 0, 0.01, 1, 0, bytes([m % 256]) * 50)
@@ -268,7 +268,7 @@ def test_many_rows_are_written_as_one_statement_per_row_would_write_them(tmp_pat
 
 
 def test_column_rows_are_the_rows_of_their_columns():
-    from probes.records import ColumnRows
+    from probes.store.records import ColumnRows
 
     rows = ColumnRows([[0, 0, 0], [1, 2, 3], ["a", None, b"x"]])
     assert len(rows) == 3 and list(rows) == [(0, 1, "a"), (0, 2, None), (0, 3, b"x")] == list(rows)

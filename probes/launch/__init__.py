@@ -1,0 +1,1 @@
+"""Zero code: `modscope run` runs a training script unchanged (autorun) and finds what it trains (autowatch)."""
