@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from bench import synth_store  # writes with the schema's DDL
 from bench.browser import DashboardProcess, RSSSampler, load_seconds, make_driver, until
@@ -42,7 +43,8 @@ def build_store(path: Path, n_modules: int, n_steps: int, stride: int, n_hot: in
                          keep_open=True)
     conn = st.conn
     now = time.time()
-    conn.executemany("INSERT INTO steps VALUES (0, ?, ?, ?, 3.0, 0.02, 1)",
+    conn.executemany("INSERT INTO steps (rank, step, wall_time, loss, step_ms, probe_ms, sampled) "
+                     "VALUES (0, ?, ?, ?, 3.0, 0.02, 1)",
                      ((s, now, 2.0 * math.exp(-s / (n_steps / 3)) + 0.05) for s in range(n_steps)))
     # the hot branch: layers.0, layers.0.layers.0, ... (the first child at every level)
     hot = [0]
@@ -88,7 +90,21 @@ def pct(values: list[float], p: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
 
 
-def main(argv=None) -> int:
+class Store(NamedTuple):
+    """The synthetic store the dashboard reads, kept open for the live-update phase."""
+    run_dir: Path
+    writer: synth_store.SynthStore
+    hot: list[int]          # module ids sampled at every step (one branch of the tree)
+    n_stats: int
+    size_mb: float
+
+
+class FilterTimes(NamedTuple):
+    from_first_key: list[float]     # seconds, typing included
+    from_enter: list[float]         # seconds, from the Enter key
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", type=int, default=10_000)
     ap.add_argument("--steps", type=int, default=10_000)
@@ -97,8 +113,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10, help="repetitions of each interaction")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--keep", help="write the store here (kept) instead of a temporary directory")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def prepare_store(args: argparse.Namespace) -> Store:
     run_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="modscope-scale-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     store_path = run_dir / "modscope.sqlite"
@@ -109,99 +127,129 @@ def main(argv=None) -> int:
     writer, hot, n_stats, build_s = build_store(store_path, args.modules, args.steps, args.stride, args.hot)
     size_mb = store_path.stat().st_size / 2**20
     print(f"  {n_stats:,} module_stats rows, {size_mb:.0f} MB, built in {build_s:.1f} s", flush=True)
+    return Store(run_dir, writer, hot, n_stats, size_mb)
 
-    server = DashboardProcess(run_dir, run_dir / "dashboard.log")
+
+def measure_first_render(driver: Any, url: str, results: dict[str, Any]) -> None:
+    """First render: overview (cards + loss curve), then the tree. The very first page load of a freshly
+    started Chromium also pays for the browser's own start-up (new renderer process, first JS compile); it is
+    reported, and the target is checked on a page load with the HTTP cache cleared (all scripts fetched and
+    compiled again)."""
+    overview_ready = (f"{q('#ov-cards')} && {q('#ov-cards')}.innerText.includes('BigModel')"
+                      f" && {q('#ov-loss .scatterlayer .trace')}")
+
+    def load(page: str, ready: str, cold: bool) -> float:
+        return load_seconds(driver, url + page, ready, cold)
+
+    results["overview_first_render_fresh_browser_s"] = load("", overview_ready, cold=False)
+    results["overview_first_render_s"] = load("", overview_ready, cold=True)
+    results["tree_first_render_s"] = load("modules", q(".tree-row[data-path='layers.0']"), cold=True)
+    results["tree_rows_rendered"] = driver.execute_script("return document.querySelectorAll('.tree-row').length")
+
+
+def measure_expand(driver: Any, repeat: int) -> list[float]:
+    """Seconds to expand a node (each collapsed again afterwards)."""
+    expand = []
+    for i in range(repeat):
+        path = f"layers.{i % 10}"
+        child = f"{path}.layers.9"
+        toggle = q(f".tree-row[data-path={json.dumps(path)}] .tree-toggle")
+        if driver.execute_script(f"return {toggle}.textContent") == "▾":   # opened by default: close first
+            driver.execute_script(f"{toggle}.click()")
+            until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
+        driver.execute_script(f"{toggle}.click()")
+        expand.append(until(driver, q(f".tree-row[data-path={json.dumps(child)}]")))
+        driver.execute_script(f"{toggle}.click()")
+        until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
+    return expand
+
+
+def measure_filter(driver: Any, repeat: int) -> FilterTimes:
+    """Filtering the tree by name (type + Enter), then clearing the filter."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    filt, filt_enter = [], []    # from the first key typed / from Enter
+    for i in range(repeat):
+        text = f"layers.{i % 10}.layers.{(i * 3) % 10}.layers"
+        box = driver.find_element(By.ID, "tree-search")
+        box.send_keys(Keys.CONTROL, "a")
+        t0 = time.perf_counter()
+        box.send_keys(text)      # (typing through WebDriver: one round trip per key)
+        t1 = time.perf_counter()
+        box.send_keys(Keys.ENTER)
+        until(driver, f"{q('#tree-info')}.innerText.includes('match') && "
+                      f"{q('.tree-row .tree-label')}.innerText.startsWith({json.dumps(text)})")
+        filt.append(time.perf_counter() - t0)
+        filt_enter.append(time.perf_counter() - t1)
+    box = driver.find_element(By.ID, "tree-search")
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(Keys.DELETE, Keys.ENTER)
+    until(driver, q(".tree-row[data-path='layers.0']"))
+    return FilterTimes(filt, filt_enter)
+
+
+def hot_paths_of(store: Store) -> list[str]:
+    hot = store.hot
+    return [p for (p,) in store.writer.conn.execute(
+        f"SELECT path FROM modules WHERE module_id IN ({','.join('?' * len(hot))}) ORDER BY depth", hot)]
+
+
+def measure_detail(driver: Any, hot_path: str, repeat: int) -> list[float]:
+    """Seconds to open a module's detail, alternating between a hot module (every step sampled) and
+    ordinary ones."""
+    toggle0 = q(".tree-row[data-path='layers.0'] .tree-toggle")
+    if driver.execute_script(f"return {toggle0}.textContent") == "▸":
+        driver.execute_script(f"{toggle0}.click()")
+    until(driver, q(".tree-row[data-path='layers.0.layers.9']"))
+    candidates = [hot_path] + [f"layers.0.layers.{i}" for i in range(1, 10)]
+    detail = []
+    for i in range(repeat):
+        path = candidates[i % len(candidates)]
+        sel = f".tree-row[data-path={json.dumps(path)}] .tree-label"
+        t0 = time.perf_counter()
+        driver.execute_script(f"{q(sel)}.click()")
+        until(driver, f"{q('#detail-header h2')} && {q('#detail-header h2')}.innerText === {json.dumps(path)}"
+                      f" && {q('#detail-activation .scatterlayer .trace')}"
+                      f" && document.querySelector('#detail-activation .js-plotly-plot').data[0].x.length > 0")
+        detail.append(time.perf_counter() - t0)
+    return detail
+
+
+def measure_live_update(driver: Any, store: Store, hot_path: str, repeat: int) -> list[float]:
+    """The live-update round trip: one step written (loss + the open module's sample) -> the header shows it."""
+    driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(hot_path)}] .tree-label')}.click()")
+    until(driver, f"{q('#detail-header h2')}.innerText === {json.dumps(hot_path)}")
+    writer = store.writer
+    live = []
+    for _ in range(repeat):
+        step = writer.step + 1
+        time.sleep(0.37)   # de-phase from the 1 s polling interval
+        t0 = time.perf_counter()
+        writer.add_steps(1, modules=store.hot[:2])
+        until(driver, f"{q('#run-status')}.innerText.includes('step {step} ')"
+                      f" || {q('#run-status')}.innerText.endsWith('step {step}')")
+        live.append(time.perf_counter() - t0)
+    return live
+
+
+def measure_dashboard(store: Store, repeat: int, results: dict[str, Any]) -> None:
+    """Every browser phase against the real dashboard process, and its peak RSS, into ``results``."""
+    server = DashboardProcess(store.run_dir, store.run_dir / "dashboard.log")
     url = server.url
     rss = RSSSampler(server.pid)
     rss.start()
     driver = make_driver()
-    results: dict = {"modules": args.modules, "steps": args.steps, "module_stats_rows": n_stats,
-                     "store_mb": round(size_mb, 1)}
     try:
-        # first render: overview (cards + loss curve), then the tree. The very first page load
-        # of a freshly started Chromium also pays for the browser's own start-up (new renderer
-        # process, first JS compile); it is reported, and the target is checked on a page load
-        # with the HTTP cache cleared (all scripts fetched and compiled again).
-        overview_ready = (f"{q('#ov-cards')} && {q('#ov-cards')}.innerText.includes('BigModel')"
-                          f" && {q('#ov-loss .scatterlayer .trace')}")
-        def load(page: str, ready: str, cold: bool) -> float:
-            return load_seconds(driver, url + page, ready, cold)
-
-        results["overview_first_render_fresh_browser_s"] = load("", overview_ready, cold=False)
-        results["overview_first_render_s"] = load("", overview_ready, cold=True)
-        results["tree_first_render_s"] = load("modules", q(".tree-row[data-path='layers.0']"), cold=True)
-        results["tree_rows_rendered"] = driver.execute_script("return document.querySelectorAll('.tree-row').length")
-
-        # expand a node (and collapse it again)
-        expand = []
-        for i in range(args.repeat):
-            path = f"layers.{i % 10}"
-            child = f"{path}.layers.9"
-            toggle = q(f".tree-row[data-path={json.dumps(path)}] .tree-toggle")
-            if driver.execute_script(f"return {toggle}.textContent") == "▾":   # opened by default: close first
-                driver.execute_script(f"{toggle}.click()")
-                until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
-            driver.execute_script(f"{toggle}.click()")
-            expand.append(until(driver, q(f".tree-row[data-path={json.dumps(child)}]")))
-            driver.execute_script(f"{toggle}.click()")
-            until(driver, f"!{q(f'.tree-row[data-path={json.dumps(child)}]')}")
-
-        # filter by name (type + Enter), then clear
-        from selenium.webdriver.common.by import By
-        from selenium.webdriver.common.keys import Keys
-        filt, filt_enter = [], []    # from the first key typed / from Enter
-        for i in range(args.repeat):
-            text = f"layers.{i % 10}.layers.{(i * 3) % 10}.layers"
-            box = driver.find_element(By.ID, "tree-search")
-            box.send_keys(Keys.CONTROL, "a")
-            t0 = time.perf_counter()
-            box.send_keys(text)      # (typing through WebDriver: one round trip per key)
-            t1 = time.perf_counter()
-            box.send_keys(Keys.ENTER)
-            until(driver, f"{q('#tree-info')}.innerText.includes('match') && "
-                          f"{q('.tree-row .tree-label')}.innerText.startsWith({json.dumps(text)})")
-            filt.append(time.perf_counter() - t0)
-            filt_enter.append(time.perf_counter() - t1)
-        box = driver.find_element(By.ID, "tree-search")
-        box.send_keys(Keys.CONTROL, "a")
-        box.send_keys(Keys.DELETE, Keys.ENTER)
-        until(driver, q(".tree-row[data-path='layers.0']"))
-
-        # open a module's detail: alternate between hot modules (10k samples) and ordinary ones
-        hot_paths = [p for (p,) in writer.conn.execute(
-            f"SELECT path FROM modules WHERE module_id IN ({','.join('?' * len(hot))}) ORDER BY depth", hot)]
-        toggle0 = q(".tree-row[data-path='layers.0'] .tree-toggle")
-        if driver.execute_script(f"return {toggle0}.textContent") == "▸":
-            driver.execute_script(f"{toggle0}.click()")
-        until(driver, q(".tree-row[data-path='layers.0.layers.9']"))
-        candidates = [hot_paths[1]] + [f"layers.0.layers.{i}" for i in range(1, 10)]
-        detail = []
-        for i in range(args.repeat):
-            path = candidates[i % len(candidates)]
-            sel = f".tree-row[data-path={json.dumps(path)}] .tree-label"
-            t0 = time.perf_counter()
-            driver.execute_script(f"{q(sel)}.click()")
-            until(driver, f"{q('#detail-header h2')} && {q('#detail-header h2')}.innerText === {json.dumps(path)}"
-                          f" && {q('#detail-activation .scatterlayer .trace')}"
-                          f" && document.querySelector('#detail-activation .js-plotly-plot').data[0].x.length > 0")
-            detail.append(time.perf_counter() - t0)
+        measure_first_render(driver, url, results)
+        expand = measure_expand(driver, repeat)
+        filt = measure_filter(driver, repeat)
+        hot_path = hot_paths_of(store)[1]
+        detail = measure_detail(driver, hot_path, repeat)
         results["expand_ms"] = [round(x * 1000, 1) for x in expand]
-        results["filter_ms"] = [round(x * 1000, 1) for x in filt]
-        results["filter_from_enter_ms"] = [round(x * 1000, 1) for x in filt_enter]
+        results["filter_ms"] = [round(x * 1000, 1) for x in filt.from_first_key]
+        results["filter_from_enter_ms"] = [round(x * 1000, 1) for x in filt.from_enter]
         results["detail_ms"] = [round(x * 1000, 1) for x in detail]
-
-        # live update round trip: write one step (loss + the open module's sample) -> header shows it
-        driver.execute_script(f"{q(f'.tree-row[data-path={json.dumps(hot_paths[1])}] .tree-label')}.click()")
-        until(driver, f"{q('#detail-header h2')}.innerText === {json.dumps(hot_paths[1])}")
-        live = []
-        for _ in range(args.repeat):
-            step = writer.step + 1
-            time.sleep(0.37)   # de-phase from the 1 s polling interval
-            t0 = time.perf_counter()
-            writer.add_steps(1, modules=hot[:2])
-            until(driver, f"{q('#run-status')}.innerText.includes('step {step} ')"
-                          f" || {q('#run-status')}.innerText.endsWith('step {step}')")
-            live.append(time.perf_counter() - t0)
+        live = measure_live_update(driver, store, hot_path, repeat)
         results["live_update_s"] = [round(x, 3) for x in live]
         time.sleep(1.5)
         results["detail_points_after_live"] = driver.execute_script(
@@ -211,10 +259,13 @@ def main(argv=None) -> int:
         rss.stop.set()
         rss.join(1)
         server.stop()
-        writer.close()
+        store.writer.close()
     results["dashboard_peak_rss_mb"] = round(rss.peak / 2**20, 1)
 
-    summary = {
+
+def summarize(results: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Each measure against its target: name -> (value, target)."""
+    return {
         "overview first render (s)": (results["overview_first_render_s"], TARGETS["first_render_s"]),
         "tree first render (s)": (results["tree_first_render_s"], TARGETS["first_render_s"]),
         "expand node p95 (ms)": (pct(results["expand_ms"], 95), TARGETS["interaction_p95_ms"]),
@@ -223,8 +274,12 @@ def main(argv=None) -> int:
         "live update p95 (s)": (pct(results["live_update_s"], 95), TARGETS["live_update_s"]),
         "dashboard peak RSS (MB)": (results["dashboard_peak_rss_mb"], TARGETS["rss_mb"]),
     }
-    print(f"\nstore: {args.modules:,} modules, {args.steps:,} steps, {n_stats:,} module_stats rows, "
-          f"{size_mb:.0f} MB; tree rows rendered at first view: {results['tree_rows_rendered']}")
+
+
+def print_table(args: argparse.Namespace, store: Store, results: dict[str, Any],
+                summary: dict[str, tuple[float, float]]) -> None:
+    print(f"\nstore: {args.modules:,} modules, {args.steps:,} steps, {store.n_stats:,} module_stats rows, "
+          f"{store.size_mb:.0f} MB; tree rows rendered at first view: {results['tree_rows_rendered']}")
     print(f"{'measure':32s} {'value':>10s} {'target':>10s}  ok")
     for name, (value, target) in summary.items():
         print(f"{name:32s} {value:10.3f} {target:10.3f}  {'yes' if value <= target else 'NO'}")
@@ -236,6 +291,16 @@ def main(argv=None) -> int:
     fe = results["filter_from_enter_ms"]
     print(f"filter by name timed from Enter (without the typing): p95 {pct(fe, 95):.0f} ms, "
           f"median {statistics.median(fe):.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    store = prepare_store(args)
+    results: dict[str, Any] = {"modules": args.modules, "steps": args.steps, "module_stats_rows": store.n_stats,
+                     "store_mb": round(store.size_mb, 1)}
+    measure_dashboard(store, args.repeat, results)
+    summary = summarize(results)
+    print_table(args, store, results, summary)
     results["summary"] = {k: {"value": v, "target": t, "ok": v <= t} for k, (v, t) in summary.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.browser import DashboardProcess, RSSSampler, free_port, load_seconds, make_driver
 
@@ -207,7 +207,23 @@ def browser_times(run_dir: Path, repeat: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+class TrainedRun(NamedTuple):
+    """The run the dashboard reads: its stores, trained (and cloned up to ``--ranks``)."""
+    run_dir: Path
+    how: str                        # real ranks, or real ranks cloned
+    train_s: float
+    size0: int                      # bytes of the real rank-0 store
+    breakdown: dict[str, Any]       # size_breakdown of the real rank-0 store
+
+
+class Every1Store(NamedTuple):
+    """The rank-0 store of a run that sampled every step (2 real ranks, every=1, 200 steps)."""
+    size: int
+    breakdown: dict[str, Any]
+    mb_per_10k_steps: float         # extrapolated linearly
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--every", type=int, default=None, help=argparse.SUPPRESS)
@@ -217,60 +233,74 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=20, help="repetitions of each query (browser loads: a quarter)")
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args(argv)
-    if args.worker:
-        worker(args.run_dir, args.steps, args.every)
-        return 0
+    return ap.parse_args(argv)
 
-    from dashboard.read.run import RunDir
 
-    real = args.real_ranks or args.ranks
-    base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="modscope-multirank-"))
+def train_run(base: Path, ranks: int, real: int, steps: int) -> TrainedRun:
     run_dir = base / "run"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    print(f"training: torchrun --nproc_per_node={real}, gloo on CPU, {args.steps} steps, small GPT "
+    print(f"training: torchrun --nproc_per_node={real}, gloo on CPU, {steps} steps, small GPT "
           f"(2 blocks, d=64), probes.watch with the default budget ...", flush=True)
-    train_s = train(run_dir, real, args.steps)
-    how = f"{real} real ranks" if real == args.ranks else \
-        f"{real} real ranks, cloned to {args.ranks} (rank r = real rank r mod {real})"
+    train_s = train(run_dir, real, steps)
+    how = f"{real} real ranks" if real == ranks else \
+        f"{real} real ranks, cloned to {ranks} (rank r = real rank r mod {real})"
     rank0 = sorted(run_dir.glob("modscope-*-rank0.sqlite"))[0]
     size0 = rank0.stat().st_size
     breakdown = size_breakdown(rank0)
-    if real < args.ranks:
-        clone_ranks(run_dir, real, args.ranks)
-    # bytes per sampled step, measured where every step is sampled (2 real ranks, every=1, 200 steps)
+    if real < ranks:
+        clone_ranks(run_dir, real, ranks)
+    return TrainedRun(run_dir, how, train_s, size0, breakdown)
+
+
+def train_every1(base: Path) -> Every1Store:
+    """Bytes per sampled step, measured where every step is sampled (2 real ranks, every=1, 200 steps)."""
     every1 = base / "every1"
     if every1.exists():
         shutil.rmtree(every1)
     print("  and, for the bytes of a sampled step: torchrun --nproc_per_node=2, every=1, 200 steps ...", flush=True)
     train(every1, 2, 200, every=1)
     every1_rank0 = sorted(every1.glob("modscope-*-rank0.sqlite"))[0]
-    every1_breakdown = size_breakdown(every1_rank0)
-    every1_mb = round(every1_rank0.stat().st_size / 200 * 10_000 / 2**20, 1)
-    run = RunDir.open(run_dir).run()
+    size = every1_rank0.stat().st_size
+    return Every1Store(size, size_breakdown(every1_rank0), round(size / 200 * 10_000 / 2**20, 1))
+
+
+def describe_stores(trained: TrainedRun, every1: Every1Store) -> dict[str, Any]:
+    """The stores' figures, as the merged run reads them."""
+    from dashboard.read.run import RunDir
+
+    run = RunDir.open(trained.run_dir).run()
     ranks = run.ranks()
     store0 = run.at(0)
     ov = store0.overview(0)
     n_modules = sum(ov["modules"].values())
     sampled = ov["samples_stored"]
     results: dict[str, Any] = {
-        "stores": how, "ranks": ranks, "steps": ov["steps_recorded"], "train_s": round(train_s, 1),
+        "stores": trained.how, "ranks": ranks, "steps": ov["steps_recorded"], "train_s": round(trained.train_s, 1),
         "modules": n_modules, "sampled_steps_rank0": sampled,
-        "store_bytes_rank0": size0,
-        "store_mb_per_rank_per_10k_steps_linear": round(size0 / ov["steps_recorded"] * 10_000 / 2**20, 1),
-        "store_breakdown_rank0": breakdown,
-        "store_every1_breakdown_rank0": every1_breakdown, "store_every1_mb_per_10k_steps_linear": every1_mb,
+        "store_bytes_rank0": trained.size0,
+        "store_mb_per_rank_per_10k_steps_linear": round(trained.size0 / ov["steps_recorded"] * 10_000 / 2**20, 1),
+        "store_breakdown_rank0": trained.breakdown,
+        "store_every1_breakdown_rank0": every1.breakdown,
+        "store_every1_mb_per_10k_steps_linear": every1.mb_per_10k_steps,
     }
-    print(f"  {how}; {n_modules} modules; {ov['steps_recorded']} steps of which {sampled} sampled on each rank; "
-          f"trained in {train_s:.0f} s", flush=True)
+    print(f"  {trained.how}; {n_modules} modules; {ov['steps_recorded']} steps of which {sampled} sampled on each "
+          f"rank; trained in {trained.train_s:.0f} s", flush=True)
+    return results
+
+
+def measure_queries(run_dir: Path, repeat: int) -> dict[str, dict[str, float]]:
     print("queries over the merged run ...", flush=True)
-    q = query_times(run_dir, args.repeat)
-    results["queries_ms"] = {k: {"p50": round(statistics.median(v), 1), "p95": round(pct(v, 95), 1),
-                                 "max": round(max(v), 1)} for k, v in q.items()}
+    q = query_times(run_dir, repeat)
+    return {k: {"p50": round(statistics.median(v), 1), "p95": round(pct(v, 95), 1), "max": round(max(v), 1)}
+            for k, v in q.items()}
+
+
+def measure_browser(run_dir: Path, repeat: int) -> tuple[dict[str, Any], int]:
+    """The dashboard's first renders in Chromium, summarized; and how many cold overview loads were timed."""
     print("the dashboard in Chromium ...", flush=True)
-    b = browser_times(run_dir, max(3, args.repeat // 4))
-    results["browser"] = {
+    b = browser_times(run_dir, max(3, repeat // 4))
+    summary = {
         "overview_first_render_s": {"p50": round(statistics.median(b["overview_s"]), 3),
                                     "max": round(max(b["overview_s"]), 3)},
         "overview_first_render_fresh_browser_s": round(b["overview_fresh_browser_s"], 3),
@@ -278,28 +308,47 @@ def main(argv: list[str] | None = None) -> int:
                                     "max": round(max(b["findings_s"]), 3)},
         "findings_cards": b["findings_cards"], "dashboard_peak_rss_mb": b["dashboard_peak_rss_mb"],
     }
+    return summary, len(b["overview_s"])
 
-    print(f"\nstores: {how}, {ov['steps_recorded']} steps, {n_modules} modules per rank")
+
+def print_report(results: dict[str, Any], trained: TrainedRun, every1: Every1Store, overview_loads: int) -> None:
+    steps, sampled, size0 = results["steps"], results["sampled_steps_rank0"], trained.size0
+    print(f"\nstores: {trained.how}, {steps} steps, {results['modules']} modules per rank")
     print(f"{'query over the merged run (fresh RunDir each time)':52s} {'p50 ms':>8s} {'p95 ms':>8s} {'max ms':>8s}")
     for k, v in results["queries_ms"].items():
         print(f"{k:52s} {v['p50']:8.1f} {v['p95']:8.1f} {v['max']:8.1f}")
     br = results["browser"]
     print(f"\noverview first render, HTTP cache cleared: median {br['overview_first_render_s']['p50']:.2f} s, "
-          f"max {br['overview_first_render_s']['max']:.2f} s ({len(b['overview_s'])} loads)")
+          f"max {br['overview_first_render_s']['max']:.2f} s ({overview_loads} loads)")
     print(f"overview first render, freshly started browser: {br['overview_first_render_fresh_browser_s']:.2f} s")
     print(f"findings page first render: median {br['findings_first_render_s']['p50']:.2f} s, "
           f"max {br['findings_first_render_s']['max']:.2f} s ({br['findings_cards']} cards)")
     print(f"dashboard peak RSS: {br['dashboard_peak_rss_mb']} MB")
-    print(f"\nstore size, rank 0: {size0 / 2**20:.2f} MB for {ov['steps_recorded']} steps ({sampled} sampled) -> "
+    print(f"\nstore size, rank 0: {size0 / 2**20:.2f} MB for {steps} steps ({sampled} sampled) -> "
           f"{results['store_mb_per_rank_per_10k_steps_linear']} MB per rank per 10,000 steps, extrapolated "
           "linearly (an upper bound: the dense first steps and no thinning at this length)")
-    bd, e1 = breakdown, every1_breakdown
+    bd, e1 = trained.breakdown, every1.breakdown
     print(f"  the budget reached a sampling interval of {bd['sampling_interval_at_end']} steps; at that interval "
           f"10,000 steps would take {bd['mb_per_10k_steps_at_that_interval']} MB (linear)")
-    print(f"every step sampled (every=1, 2 real ranks, 200 steps): rank 0 {every1_rank0.stat().st_size / 2**20:.2f} MB "
-          f"-> {every1_mb} MB per rank per 10,000 steps, extrapolated linearly before thinning (the writer keeps about "
-          f"2,000 sampled steps of a long run); {e1['bytes_per_sampled_step']:,} bytes per sampled step, "
-          f"{e1['bytes_per_step']:,} bytes per step, {e1['fixed_bytes'] / 1024:.0f} KiB the rest (whole pages)")
+    print(f"every step sampled (every=1, 2 real ranks, 200 steps): rank 0 {every1.size / 2**20:.2f} MB "
+          f"-> {every1.mb_per_10k_steps} MB per rank per 10,000 steps, extrapolated linearly before thinning (the "
+          f"writer keeps about 2,000 sampled steps of a long run); {e1['bytes_per_sampled_step']:,} bytes per sampled "
+          f"step, {e1['bytes_per_step']:,} bytes per step, {e1['fixed_bytes'] / 1024:.0f} KiB the rest (whole pages)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.run_dir, args.steps, args.every)
+        return 0
+    real = args.real_ranks or args.ranks
+    base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="modscope-multirank-"))
+    trained = train_run(base, args.ranks, real, args.steps)
+    every1 = train_every1(base)
+    results = describe_stores(trained, every1)
+    results["queries_ms"] = measure_queries(trained.run_dir, args.repeat)
+    results["browser"], overview_loads = measure_browser(trained.run_dir, args.repeat)
+    print_report(results, trained, every1, overview_loads)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

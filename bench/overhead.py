@@ -24,7 +24,9 @@ import tempfile
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -247,9 +249,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_model(name, configs, rounds, steps, warmup, device, workdir, phases=False, compile_backend=None) -> dict:
+@dataclass(frozen=True)
+class BenchSettings:
+    """How each model is measured: ``rounds`` interleaved rounds of ``steps`` timed steps per configuration,
+    after ``warmup`` untimed steps, on ``device``, the runs' files under ``workdir``; ``phases``: one more step
+    per block split by phase; ``compile_backend``: torch.compile every configuration's model with it."""
+    rounds: int
+    steps: int
+    warmup: int
+    device: str
+    workdir: Path
+    phases: bool = False
+    compile_backend: str | None = None
+
+
+def bench_model(name: str, configs: list[str], settings: BenchSettings) -> dict[str, Any]:
+    rounds, steps, warmup, device = settings.rounds, settings.steps, settings.warmup, settings.device
+    phases = settings.phases
     factory, batch_fn, loss_fn = registry(device)[name]
-    harnesses = [Harness(c, factory, batch_fn, loss_fn, device, workdir / name, compile_backend) for c in configs]
+    harnesses = [Harness(c, factory, batch_fn, loss_fn, device, settings.workdir / name, settings.compile_backend)
+                 for c in configs]
     times: dict[str, list[float]] = {c: [] for c in configs}
     phase_ms: dict[str, list[tuple[float, float, float]]] = {c: [] for c in configs}
     every_step: dict[str, list[float]] = {c: [] for c in configs}     # the untimed first step of a block too
@@ -385,7 +404,7 @@ def floor_ratio(overhead: float, floor_overhead: float, floor: str) -> str:
     return f"  ({floor}'s overhead {floor_overhead:+.2%}: no multiple)"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt", help="comma list of: mlp, cnn, gpt, hf-gpt2, hf-gpt2-small")
     ap.add_argument("--configs", default=",".join(ALL_CONFIGS),
@@ -405,13 +424,16 @@ def main(argv=None) -> int:
                          "modscope watches the compiled model (its sampled steps run eagerly)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     ap.add_argument("--child-rss", nargs=3, metavar=("MODEL", "CONFIG", "STEPS"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.child_rss:
-        child_rss(args.child_rss[0], args.child_rss[1], int(args.child_rss[2]), args.device)
-        return 0
-    configs = [c for c in args.configs.split(",") if c]
+    return ap
+
+
+class ConfigChoice(NamedTuple):
+    run: list[str]          # the configurations measured, bare always among them (first unless named)
+    skipped: list[str]      # those asked for whose package is not installed
+
+
+def choose_configs(ap: argparse.ArgumentParser, names: str) -> ConfigChoice:
+    configs = [c for c in names.split(",") if c]
     unknown = [c for c in configs if c not in ALL_CONFIGS + EXTRA_CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; expected some of {ALL_CONFIGS + EXTRA_CONFIGS}")
@@ -419,53 +441,94 @@ def main(argv=None) -> int:
     configs = [c for c in configs if available(c)]
     if "bare" not in configs:
         configs.insert(0, "bare")
+    return ConfigChoice(configs, skipped)
+
+
+def comparisons(c: str, r: dict[str, Any]) -> str:
+    """What follows configuration ``c``'s overhead in the table: its multiples of the reference probes'
+    overheads and of wandb's, the default budget's total-time ratio, and what modscope reported itself."""
+    ov = r["overhead"]
+    over = ov[c]
+    extra = ""
+    if c.startswith("modscope") and "ideal" in ov and ov["ideal"] > 0:
+        extra += f"  {over / ov['ideal']:5.2f}x ideal's overhead"
+    if c != "floor" and "floor" in ov and c not in ("bare", "modscope-default"):
+        extra += floor_ratio(over, ov["floor"], "floor")
+    if c == "modscope-every1" and "floor-every1" in ov:
+        extra += floor_ratio(over, ov["floor-every1"], "floor-every1")
+    if c.startswith("modscope") and "wandb" in ov and over > 0:
+        extra += f"  {ov['wandb'] / over:6.1f}x less than wandb"
+    if c == "modscope-default":
+        extra += f"  total-time ratio {r['overhead_total_time'][c]:+.2%}"
+    if c in r["self_reported"] and r["self_reported"][c] is not None:
+        extra += f"  (self-reported {r['self_reported'][c]:.2%})"
+    return extra
+
+
+def print_overheads(name: str, configs: list[str], r: dict[str, Any]) -> None:
+    med, ov = r["median_ms"], r["overhead"]
+    print(f"\n{name}: median ms/step, overhead vs bare (median of paired per-round ratios)")
+    for c in configs:
+        print(f"  {c:18s} {med[c]:9.2f} ms  {ov[c]:+8.2%}{comparisons(c, r)}")
+
+
+def print_phases(configs: list[str], r: dict[str, Any]) -> None:
+    base = r["phases_ms"]["bare"]
+    print("  by phase, median ms (+ over bare): forward | backward | optimizer step + probe")
+    for c in configs:
+        f = r["phases_ms"][c]
+        cells = (f"{v:7.1f} ({v - b:+6.1f})" for v, b in zip(f, base, strict=True))
+        print(f"  {c:18s} " + " | ".join(cells))
+
+
+def measure_rss(name: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
+    steps = max(20, args.steps * 2)
+    rb = rss(name, "bare", steps, args.device)
+    rm = rss(name, "modscope-every1", steps, args.device)
+    r["rss_mb"] = {"bare": rb, "modscope-every1": rm}
+    print(f"  peak RSS: bare {rb:.0f} MB, modscope every=1 {rm:.0f} MB ({rm - rb:+.0f} MB)")
+
+
+def measure_syncs(name: str, args: argparse.Namespace, workdir: Path, r: dict[str, Any]) -> None:
+    syncs = r["syncs_per_sampled_step"] = count_syncs(name, args.device, workdir)
+    print(f"  host syncs per sampled step (every=1, {SYNC_STEPS} steps): {syncs['implicit']:.2f} implicit "
+          f"(sync debug mode, against bare), {syncs['copy_reads']:.2f} reads of the host copy, "
+          f"{syncs['copy_waits']:.2f} of which waited for it")
+
+
+def run_model(name: str, configs: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Every measure of one model, printed as it comes; the results for the JSON."""
+    settings = BenchSettings(rounds=args.rounds, steps=args.steps, warmup=args.warmup, device=args.device,
+                             workdir=workdir, phases=args.phases, compile_backend=args.compile)
+    r = bench_model(name, configs, settings)
+    print_overheads(name, configs, r)
+    if args.phases:
+        print_phases(configs, r)
+    if args.rss:
+        measure_rss(name, args, r)
+    if args.sync_count and args.device.startswith("cuda"):
+        measure_syncs(name, args, workdir, r)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child_rss:
+        child_rss(args.child_rss[0], args.child_rss[1], int(args.child_rss[2]), args.device)
+        return 0
+    configs, skipped = choose_configs(ap, args.configs)
     models = [m for m in args.models.split(",") if m]
     print(f"torch {torch.__version__}  device={args.device}  threads={torch.get_num_threads()}  "
           + (f"compiled ({args.compile})  " if args.compile else "") +
           f"rounds={args.rounds} x steps={args.steps} (interleaved)" +
           (f"  skipped (not installed): {skipped}" if skipped else ""))
-    results = {}
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
-            r = bench_model(name, configs, args.rounds, args.steps, args.warmup, args.device, Path(tmp),
-                            phases=args.phases, compile_backend=args.compile)
-            med, ov = r["median_ms"], r["overhead"]
-            print(f"\n{name}: median ms/step, overhead vs bare (median of paired per-round ratios)")
-            for c in configs:
-                over = ov[c]
-                extra = ""
-                if c.startswith("modscope") and "ideal" in ov and ov["ideal"] > 0:
-                    extra += f"  {over / ov['ideal']:5.2f}x ideal's overhead"
-                if c != "floor" and "floor" in ov and c not in ("bare", "modscope-default"):
-                    extra += floor_ratio(over, ov["floor"], "floor")
-                if c == "modscope-every1" and "floor-every1" in ov:
-                    extra += floor_ratio(over, ov["floor-every1"], "floor-every1")
-                if c.startswith("modscope") and "wandb" in ov and over > 0:
-                    extra += f"  {ov['wandb'] / over:6.1f}x less than wandb"
-                if c == "modscope-default":
-                    extra += f"  total-time ratio {r['overhead_total_time'][c]:+.2%}"
-                if c in r["self_reported"] and r["self_reported"][c] is not None:
-                    extra += f"  (self-reported {r['self_reported'][c]:.2%})"
-                print(f"  {c:18s} {med[c]:9.2f} ms  {over:+8.2%}{extra}")
-            if args.phases:
-                base = r["phases_ms"]["bare"]
-                print("  by phase, median ms (+ over bare): forward | backward | optimizer step + probe")
-                for c in configs:
-                    f = r["phases_ms"][c]
-                    cells = (f"{v:7.1f} ({v - b:+6.1f})" for v, b in zip(f, base, strict=True))
-                    print(f"  {c:18s} " + " | ".join(cells))
-            if args.rss:
-                steps = max(20, args.steps * 2)
-                rb = rss(name, "bare", steps, args.device)
-                rm = rss(name, "modscope-every1", steps, args.device)
-                r["rss_mb"] = {"bare": rb, "modscope-every1": rm}
-                print(f"  peak RSS: bare {rb:.0f} MB, modscope every=1 {rm:.0f} MB ({rm - rb:+.0f} MB)")
-            if args.sync_count and args.device.startswith("cuda"):
-                syncs = r["syncs_per_sampled_step"] = count_syncs(name, args.device, Path(tmp))
-                print(f"  host syncs per sampled step (every=1, {SYNC_STEPS} steps): {syncs['implicit']:.2f} implicit "
-                      f"(sync debug mode, against bare), {syncs['copy_reads']:.2f} reads of the host copy, "
-                      f"{syncs['copy_waits']:.2f} of which waited for it")
-            results[name] = r
+            results[name] = run_model(name, configs, args, Path(tmp))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -17,7 +17,7 @@ from .findings.structural import structural_findings
 from .model.structure import build_structure, normalize_optimizers, unwrap
 from .notebook import ipython_shell
 from .store.rundir import agree_run_id
-from .watcher import Boundaries, Watcher
+from .watcher import Boundaries, Watcher, WatchSettings
 
 # the open watcher of each model (the user's module, inside any wrapper), weakly: a model is watched by one
 # watcher at a time. Re-running a notebook cell that calls watch() must not leave the first watcher's hooks on
@@ -84,9 +84,9 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
     site = _notebook_cell_site()
     if site is not None:
         close_cell_watcher(*site)
-    watcher = Watcher(model, optimizers, run_dir, run_id=run_id, every=every,
-                      overhead=None if every else float(overhead), window=window, rank=rank, world_size=world_size,
-                      run_name=run_name or run_dir.name, boundaries=Boundaries(boundaries))
+    watcher = Watcher(model, optimizers, run_dir, WatchSettings(
+        run_id=run_id, run_name=run_name or run_dir.name, every=every, overhead=None if every else float(overhead),
+        window=window, rank=rank, world_size=world_size, boundaries=Boundaries(boundaries)))
     _WATCHED[unwrap(model)] = weakref.ref(watcher)
     if site is not None:
         _CELL_WATCHERS[site[0]] = (weakref.ref(watcher), site[1])

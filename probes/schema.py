@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import array
-import enum
 import json
 import os
 import re
@@ -24,27 +23,40 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
-from .state_dict_keys import KeyPrefix, key_prefix
-
 if TYPE_CHECKING:
     from .store_copy import Column, SchemaAudit
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10
-    class StrEnum(str, enum.Enum):
-        """``enum.StrEnum`` for Python 3.10: members are strs and format as their value."""
-
-        def __str__(self) -> str:
-            return str(self.value)
+from ._compat import StrEnum
+from .paths import (
+    ROOT_DISPLAY,
+    attr_path,
+    display_path,
+    item_path,
+    key_path,
+    member_path,
+    module_path_candidates,
+    normalize_path,
+    runtime_label,
+)
+from .state_dict_keys import KeyPrefix, key_prefix
+from .writer_status import (
+    STATUS_BYTES,
+    STATUS_SUFFIX,
+    WriterState,
+    WriterStatus,
+    encode_status,
+    read_status,
+    status_path,
+)
 
 __all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES",
-           "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "SCHEMA_VERSION", "SEVERITY_ORDER",
-           "TABLES", "CodeInfo", "FindingCode", "KeyPrefix", "ModuleKind", "RunStatus", "Severity", "StoreName",
-           "StrEnum", "TensorKind", "UntrustedStoreError", "WriterState", "WriterStatus", "code_label",
-           "contract_columns", "decode_hist", "display_path", "encode_hist", "encode_status", "every_option",
-           "guard_reads", "key_prefix", "module_path_candidates", "normalize_path", "overhead_option",
-           "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
+           "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "ROOT_DISPLAY", "SCHEMA_VERSION",
+           "SEVERITY_ORDER", "STATUS_BYTES", "STATUS_SUFFIX", "TABLES", "CodeInfo", "FindingCode", "KeyPrefix",
+           "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind", "UntrustedStoreError",
+           "WriterState", "WriterStatus", "attr_path", "code_label", "contract_columns", "decode_hist", "display_path",
+           "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path", "key_prefix",
+           "member_path", "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename",
+           "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -57,7 +69,6 @@ LEGACY_STORE_FILENAME = "modscope.sqlite"
 STORE_PREFIX = "modscope-"
 STORE_SUFFIX = ".sqlite"
 LOCK_SUFFIX = ".lock"         # <store>.lock: the live writer's pid and host (two writers are refused)
-STATUS_SUFFIX = ".status"     # <store>.status: the writer's health, overwritten in place (readable on a full disk)
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _STORE_NAME_RE = re.compile(r"^modscope-(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,63})-rank(?P<rank>\d{1,6})\.sqlite$")
 
@@ -269,57 +280,7 @@ def code_label(code: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- paths
-# Registered things by PyTorch's names (``""`` is the root); unregistered ones by their Python path from the
-# root (``.name``, ``[0]``, ``['key']``, ``{0}``); modules reachable from nowhere as ``<unreachable Type>``.
-ROOT_DISPLAY = "<root>"
-
-
-def display_path(path: str) -> str:
-    """A path as shown to people: the root (``""``) is ``<root>``."""
-    return path or ROOT_DISPLAY
-
-
-def attr_path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def item_path(prefix: str, index: int) -> str:
-    return f"{prefix}[{index}]"
-
-
-def key_path(prefix: str, key: object, position: int) -> str:
-    """A mapping item: ``['key']`` / ``[3]`` for str and int keys, the position for any other key."""
-    label = repr(key) if isinstance(key, (str, int)) else str(position)
-    return f"{prefix}[{label}]"
-
-
-def member_path(prefix: str, position: int) -> str:
-    return f"{prefix}{{{position}}}"
-
-
-def runtime_label(type_name: str, occurrence: int) -> str:
-    """The label of the ``occurrence``-th run-time module of one type under one caller."""
-    return f"<unreachable {type_name}>" if occurrence == 0 else f"<unreachable {type_name}#{occurrence}>"
-
-
-def normalize_path(path: str) -> str:
-    """The registered spelling of a Python path, so that a run before a fix (``encoder.blocks[0]``)
-    lines up with the run after it (``encoder.blocks.0``)."""
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return re.sub(r"\[['\"]([^'\"]*)['\"]\]", r".\1", path)
-
-
-def module_path_candidates(path: str, limit: int = 64) -> list[str]:
-    """``path`` and its prefixes, longest first, ending with the root: where a finding about a tensor or
-    an optimizer entry is drawn (its longest module prefix)."""
-    out = [path]
-    p = path
-    while p and len(out) < limit:
-        cut = max(p.rfind("."), p.rfind("["))
-        p = p[:cut] if cut > 0 else ""
-        out.append(p)
-    return out
-
+# the path grammar: probes/paths.py (imported at the top, part of the contract)
 
 # ---------------------------------------------------------------------------------- histograms
 # Fixed signed log-spaced edges shared by every sample (a heat map over time needs no re-binning). Bin i
@@ -544,49 +505,7 @@ ADDED_COLUMNS: MappingProxyType[str, tuple[tuple[str, str], ...]] = MappingProxy
 
 
 # ---------------------------------------------------------------------------------- writer health
-# ``<store>.status``: the writer's health as JSON padded to STATUS_BYTES, overwritten in place (no new disk
-# blocks), so it can still say "failing" when the disk is full and the store takes no more commits.
-STATUS_BYTES = 1024
-
-
-class WriterState(StrEnum):
-    OK = "ok"
-    FAILING = "failing"          # commits fail now (disk full, I/O error); the writer retries
-
-
-@dataclass(frozen=True)
-class WriterStatus:
-    state: WriterState
-    updated_at: float            # unix seconds of this report
-    failing_since: float | None = None
-    error: str | None = None     # SQLite's message for the last failed commit, one line
-    failed_commits: int = 0      # since the run started
-    dropped_samples: int = 0     # since the run started (queue full or failed commits)
-
-
-def status_path(store_path: str | os.PathLike[str]) -> Path:
-    return Path(str(store_path) + STATUS_SUFFIX)
-
-
-def encode_status(status: WriterStatus) -> bytes:
-    doc = {"state": str(status.state), "updated_at": status.updated_at, "failing_since": status.failing_since,
-           "error": (status.error or "")[:600] or None, "failed_commits": status.failed_commits,
-           "dropped_samples": status.dropped_samples}
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    return raw.ljust(STATUS_BYTES, b" ")[:STATUS_BYTES]
-
-
-def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
-    """The writer's last health report for the store at ``store_path``, or None (no report, or one that
-    cannot be read: a status is advice, never a reason to refuse a store)."""
-    try:
-        doc = json.loads(status_path(store_path).read_bytes()[:STATUS_BYTES].decode().strip() or "null")
-        return WriterStatus(state=WriterState(doc["state"]), updated_at=float(doc["updated_at"]),
-                            failing_since=doc.get("failing_since"), error=doc.get("error"),
-                            failed_commits=int(doc.get("failed_commits") or 0),
-                            dropped_samples=int(doc.get("dropped_samples") or 0))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
+# the writer's status file: probes/writer_status.py (imported at the top, part of the contract)
 
 
 # ---------------------------------------------------------------------------------- snapshots

@@ -30,12 +30,14 @@ from .capture import measure
 from .capture.closures import ClosureSteps, StepArgs, optimizer_position
 from .capture.guard import ProbeRuntime
 from .capture.hooks import HeldHook
+from .capture.host_values import PendingFetch
 from .capture.losses import LossRecorder
 from .capture.rank_clock import RankClock
+from .capture.record import StepRecord, release_outputs
 from .capture.replicas import close_values
 from .capture.sampling import SamplingPolicy
 from .capture.sentinels import RootSentinel
-from .capture.step import StepCapture, StepRecord, release_outputs
+from .capture.step import StepCapture
 from .findings.evaluation import Evaluator
 from .findings.finding import Finding
 from .findings.loop_checks import LoopChecks
@@ -59,7 +61,7 @@ class UnreadSample:
 
     step: int
     record: StepRecord
-    fetch: measure.PendingFetch
+    fetch: PendingFetch
     loss_slots: list[tuple[int, int]]     # (step, slot) of the losses read with it
     started: int                          # the step counter when the copy started
 
@@ -73,12 +75,30 @@ class Boundaries(StrEnum):
     EXTERNAL = "external"
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchSettings:
+    """How one model is watched (checked by :func:`probes.watch` before it gets here): the run and this process's
+    rank in it, the sampling (``every`` sampled step, or an ``overhead`` budget), the window of the windowed rules,
+    and what ends a step."""
+
+    run_id: str
+    run_name: str
+    every: int | None
+    overhead: float | None
+    window: int
+    rank: int = 0
+    world_size: int = 1
+    boundaries: Boundaries = Boundaries.OPTIMIZER
+
+
 class Watcher:
     """Created by :func:`probes.watch`. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path, *,
-                 run_id: str, every: int | None, overhead: float | None, window: int, rank: int,
-                 world_size: int, run_name: str, boundaries: Boundaries = Boundaries.OPTIMIZER) -> None:
+    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path,
+                 settings: WatchSettings) -> None:
+        run_id, every, overhead, window = settings.run_id, settings.every, settings.overhead, settings.window
+        rank, world_size, run_name = settings.rank, settings.world_size, settings.run_name
+        self.settings = settings
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
         self.run_id = run_id
@@ -88,7 +108,7 @@ class Watcher:
         self.window = window
         self._model_ref = weakref.ref(model)
         self._optimizers = list(optimizers)
-        self._external = boundaries == Boundaries.EXTERNAL
+        self._external = settings.boundaries == Boundaries.EXTERNAL
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
@@ -205,7 +225,6 @@ class Watcher:
         its fix and the findings it explains."""
         if not self._closed and threading.get_ident() == self._thread:
             self._complete_unread(force=True)
-            self._checks.check_stalled()
             self._preview_step()
         return FindingList(self._evaluator.active())
 
@@ -238,7 +257,7 @@ class Watcher:
             if self._unread is not None:
                 self._complete_unread(force=True)
             rec = self._capture.record
-            if rec is not None and rec.live:
+            if rec is not None and rec.hooks.live:
                 with self._probe.guard("close"):
                     self._evaluator.last_modes(self._probe.step, rec, rec.index or self._index)
             self._capture.close()
@@ -425,7 +444,7 @@ class Watcher:
         with self._probe.guard("finish-sample"):
             self._read_sample(u.step, u.record, u.fetch, u.loss_slots)
 
-    def _read_sample(self, step: int, rec: StepRecord, fetch: measure.PendingFetch,
+    def _read_sample(self, step: int, rec: StepRecord, fetch: PendingFetch,
                      loss_slots: list[tuple[int, int]]) -> None:
         values = fetch.read(self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
@@ -443,8 +462,7 @@ class Watcher:
 
     def _observe_forwards(self, step: int) -> None:
         """What the root sentinel saw since the last boundary, which ends here."""
-        self._checks.boundary(closing=self._closed)
-        self._evaluator.forwards(step, self._sentinel.take(), self._mode_sensitive(), step_ended=True)
+        self._evaluator.forwards(step, self._checks.take(self._closed), self._mode_sensitive(), step_ended=True)
 
     def _mode_sensitive(self) -> list[str]:
         return [p for p, _ in self._sentinel.mode_sensitive]

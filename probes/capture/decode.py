@@ -19,10 +19,10 @@ import torch
 
 from ..schema import ZERO_BIN, decode_hist, encode_hist
 from ..store.records import ColumnRows
-from .measure import CALL_FIELDS, Fetched
-from .step import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
+from .host_values import CALL_FIELDS, Fetched
+from .record import MAX_CALLS_MEASURED, CallRecord, PerTensor, StepRecord
 
-Values = Fetched       # a sampled step's host values (probes.capture.measure.PendingFetch.read)
+Values = Fetched       # a sampled step's host values (probes.capture.host_values.PendingFetch.read)
 
 
 MODULE_STATS = CALL_FIELDS      # the columns of ModuleColumns.stats: each call's, aggregated per module
@@ -234,7 +234,7 @@ def _out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, list
 
 
 def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[list[float], bytes]:
-    """A module called several times: its row of the calls' stats (measure.CALL_FIELDS) and its histogram."""
+    """A module called several times: its row of the calls' stats (host_values.CALL_FIELDS) and its histogram."""
     where = [values.call(k.slot) for k in calls]
     rows = [cc.stats[j].tolist() for cc, j in where]
     n = len(rows)

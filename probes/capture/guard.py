@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from ..store.errors import ErrorLog
 
@@ -84,3 +86,20 @@ class Guard:
             rt.errors.record(self.location, exc, rt.step)
             return not RAISE_PROBE_ERRORS
         return False
+
+
+def call_guarded(rt: ProbeRuntime, location: str, body: Callable[..., None], *args: Any) -> None:
+    """:class:`Guard` as a plain call: the forward hooks run on every module call of a sampled step, where making,
+    entering and leaving a guard object costs about a tenth of the hook."""
+    t0 = time.perf_counter()
+    rt.depth += 1
+    try:
+        body(*args)
+    except Exception as exc:
+        rt.errors.record(location, exc, rt.step)
+        if RAISE_PROBE_ERRORS:
+            raise
+    finally:
+        rt.depth -= 1
+        if rt.depth == 0:
+            rt.probe_s += max(0.0, time.perf_counter() - max(t0, rt.step_t0))

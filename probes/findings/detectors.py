@@ -1,6 +1,6 @@
 """Dynamic detectors: rules over the statistics of sampled steps, evaluated for every module at once.
 
-Definitions (also in README):
+Definitions (also in docs/usage.md):
 - a unit is a channel (dim 1) of conv-like outputs, else the last dimension; it is *active* in a sample
   when any of its values is non-zero. The *window* is the last ``window`` sampled steps (default 16).
   A unit is dead when it was not active in any call of the window.

@@ -12,14 +12,14 @@ import dataclasses
 import itertools
 import operator
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ..capture import decode, tensor_stats
 from ..capture.decode import ModuleColumns, TensorColumns, Values
+from ..capture.record import StepRecord
 from ..capture.sentinels import ForwardLog
-from ..capture.step import StepRecord
 from ..model.frozen import BlockState
 from ..model.index import ModelIndex
 from ..model.runtime import RuntimeSighting
@@ -51,6 +51,10 @@ class DecodedStep:
 UNREACHED_SAMPLES = 2
 
 
+def _nothing() -> None:
+    return None
+
+
 def runtime_finding(seen: RuntimeSighting) -> Finding:
     return UnregisteredModule.at_run_time(seen.path, seen.type_name, seen.called_from, seen_before=seen.seen_before,
                                    same_object=seen.same_object, numel=seen.numel, step=seen.step)
@@ -66,6 +70,7 @@ class Evaluator:
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
         # what the watcher's own checks find, by check: a checkpoint load, a stalled optimizer (loop_checks.py)
         self.outside: dict[str, Sequence[Finding]] = {}
+        self.before_preview: Callable[[], object] = _nothing    # those checks, before a step in progress is shown
         self._moved: dict[int, int] = {}
         # tensors no optimizer holds that a gradient reached in a sampled training step (it arrived in that step,
         # or their .grad was set at its end: nothing zeroes such a tensor, so a gradient of an unsampled step stays),
@@ -181,6 +186,7 @@ class Evaluator:
                 runtime: Sequence[RuntimeSighting]) -> list[Op]:
         """The step in progress evaluated without ending it (findings(), snapshot()): nothing is counted
         twice when it ends."""
+        self.before_preview()
         book = self.events.copy()
         if not log.empty():
             book.observe_forwards(step, log, mode_sensitive, step_ended=False)

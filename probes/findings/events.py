@@ -35,7 +35,7 @@ from ..model.structure import drops_at_random, has_no_forward
 from ..schema import ModuleKind, display_path
 from . import finding as findings
 from .detectors import BypassCandidate, GradlessCandidate, ModelView
-from .finding import Finding
+from .finding import Finding, Seen
 from .rules import (
     EvalBuildsGraph,
     ForwardBypassed,
@@ -399,7 +399,8 @@ def _mismatches(view: ModelView, mismatch: Mapping[int, tuple[Occurrence, bool, 
                 adapted.append(mid)
                 continue
         out.append(TrainingModeMismatch.mismatch(
-            view.module_path(mid), view.module_type(mid), training, root_training, o.first, o.last, o.count,
+            view.module_path(mid), view.module_type(mid), training, root_training,
+            Seen(o.last, first_step=o.first, count=o.count),
             registered=registered, inside=inside.get(mid, 0),
             pretrained=node is not None and node.type_module.startswith("transformers.")))
     for group, make in ((monte_carlo, TrainingModeMismatch.monte_carlo_dropout),

@@ -13,7 +13,7 @@ from typing import Any
 from ..schema import CODES as CODE_INFO
 from ..schema import SEVERITY_ORDER, Severity, display_path
 
-__all__ = ["CODES", "SEVERITIES", "Finding", "sort_findings"]
+__all__ = ["CODES", "SEVERITIES", "Finding", "Seen", "make", "sort_findings"]
 
 SEVERITIES = tuple(str(s) for s in Severity)
 # code -> (default severity, fix), the public view of the codes (``probes.CODES``)
@@ -83,14 +83,27 @@ class Links:
 NO_LINKS = Links()
 
 
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """When a finding was seen: the step it was last seen at (None: from the structure, before any step), the first
+    step, and how many times."""
+
+    step: int | None = None
+    first_step: int | None = None
+    count: int = 1
+
+
+NOT_SEEN = Seen()
+
+
 def make(code: str, path: str, message: str, evidence: dict[str, Any] | None = None,
-         severity: str | None = None, step: int | None = None, *, first_step: int | None = None, count: int = 1,
-         fix: str | None = None, links: Links = NO_LINKS) -> Finding:
+         severity: str | None = None, *, seen: Seen = NOT_SEEN, fix: str | None = None,
+         links: Links = NO_LINKS) -> Finding:
     """``fix``: this finding's own, when the code's (schema.CODES) does not fit the case."""
     info = CODE_INFO[code]
     return Finding(code=str(code), severity=str(severity or info.severity), path=path, message=message,
-                   evidence=evidence or {}, fix=fix or info.fix, step=step, first_step=first_step,
-                   count=count, kind=links.kind, related=links.related, members=links.members)
+                   evidence=evidence or {}, fix=fix or info.fix, step=seen.step, first_step=seen.first_step,
+                   count=seen.count, kind=links.kind, related=links.related, members=links.members)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..api import process_rank, watch, watcher_of
-from ..capture.step import hide_global_hook_warning, restore_warning_filters
+from ..capture.eager import hide_global_hook_warning, restore_warning_filters
 from ..model.structure import unwrap
 from ..watcher import Watcher
 from .backward_loss import BackwardLosses

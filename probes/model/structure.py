@@ -377,28 +377,8 @@ class _Builder:
         if not _should_descend(obj) or id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, (list, tuple, collections.deque)):
-            for i, item in enumerate(obj):
-                self._visit(item, item_path(path, i), owner, seen, depth + 1)
-        elif isinstance(obj, collections.abc.Mapping):
-            for i, (key, item) in enumerate(list(obj.items())):
-                self._visit(item, key_path(path, key, i), owner, seen, depth + 1)
-        elif isinstance(obj, (set, frozenset)):
-            for i, item in enumerate(obj):
-                self._visit(item, member_path(path, i), owner, seen, depth + 1)
-        else:
-            fields: Iterable[tuple[str, Any]] = ()
-            try:
-                if hasattr(obj, "__dict__"):
-                    fields = list(vars(obj).items())
-                elif hasattr(type(obj), "__slots__"):
-                    slots = [s for k in type(obj).__mro__ for s in getattr(k, "__slots__", ())]
-                    fields = [(s, getattr(obj, s)) for s in slots if hasattr(obj, s)]
-            except Exception:        # exotic objects (proxies) whose attributes raise
-                fields = ()
-            for key, item in fields:
-                if not key.startswith("__"):
-                    self._visit(item, attr_path(path, key), owner, seen, depth + 1)
+        for item, item_at in _contents(obj, path):
+            self._visit(item, item_at, owner, seen, depth + 1)
 
     def _add_unregistered_module(self, module: nn.Module, path: str, owner: ModuleNode,
                                  seen: set[int]) -> None:
@@ -542,3 +522,24 @@ def model_device(model: nn.Module) -> str:
     for p in model.parameters():
         return str(p.device)
     return "cpu"
+
+
+def _contents(obj: Any, path: str) -> Iterable[tuple[Any, str]]:
+    """What a container or plain object holds, each with its path: items of sequences, values of mappings, members of
+    sets, fields of objects (their ``__dict__`` or ``__slots__``)."""
+    if isinstance(obj, (list, tuple, collections.deque)):
+        return [(item, item_path(path, i)) for i, item in enumerate(obj)]
+    if isinstance(obj, collections.abc.Mapping):
+        return [(item, key_path(path, key, i)) for i, (key, item) in enumerate(list(obj.items()))]
+    if isinstance(obj, (set, frozenset)):
+        return [(item, member_path(path, i)) for i, item in enumerate(obj)]
+    fields: Iterable[tuple[str, Any]] = ()
+    try:
+        if hasattr(obj, "__dict__"):
+            fields = list(vars(obj).items())
+        elif hasattr(type(obj), "__slots__"):
+            slots = [s for k in type(obj).__mro__ for s in getattr(k, "__slots__", ())]
+            fields = [(s, getattr(obj, s)) for s in slots if hasattr(obj, s)]
+    except Exception:        # exotic objects (proxies) whose attributes raise
+        fields = ()
+    return [(item, attr_path(path, key)) for key, item in fields if not key.startswith("__")]

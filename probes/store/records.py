@@ -3,6 +3,7 @@
 Every SQL statement the probes write is built here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -109,14 +110,29 @@ def rank_ops(info: dict[str, Any]) -> list[Op]:
     return [(upsert_sql("ranks", RANK_COLS, ("rank",)), [row])]
 
 
-def rank_counters_op(rank: int, step: int, now: float, written: int, dropped: int, errors: int,
-                     overhead: float | None, status: str, closed_at: float | None, write_errors: int,
-                     last_error: str | None) -> Op:
+@dataclasses.dataclass(frozen=True)
+class RankCounters:
+    """A rank's row of counters as of one moment: its step, the writer's counts, the probe errors, the overhead
+    measured, and its status."""
+
+    step: int
+    now: float
+    written: int
+    dropped: int
+    probe_errors: int
+    overhead: float | None
+    status: str
+    closed_at: float | None
+    write_errors: int
+    last_error: str | None
+
+
+def rank_counters_op(rank: int, c: RankCounters) -> Op:
     sql = ("UPDATE ranks SET step=?, updated_at=?, samples_written=?, samples_dropped=?, probe_errors=?, "
            "overhead=COALESCE(?, overhead), status=?, closed_at=COALESCE(?, closed_at), write_errors=?, "
            "last_error=COALESCE(?, last_error) WHERE rank=?")
-    return (sql, [(step, now, written, dropped, errors, finite_or_none(overhead), str(status), closed_at,
-                   write_errors, last_error, rank)])
+    return (sql, [(c.step, c.now, c.written, c.dropped, c.probe_errors, finite_or_none(c.overhead), str(c.status),
+                   c.closed_at, c.write_errors, c.last_error, rank)])
 
 
 def structure_ops(rank: int, modules: Iterable[ModuleNode], tensors: Iterable[TensorNode],

@@ -96,8 +96,9 @@ class StoreSession:
             self._recoveries_seen = w.recoveries
             ops += [*self._identity, *lost()]
             errors.dirty = True
-        ops.append(records.rank_counters_op(self.rank, step, time.time(), w.written, w.dropped, errors.total, overhead,
-                                            status, closed_at, w.write_errors, w.last_error))
+        ops.append(records.rank_counters_op(self.rank, records.RankCounters(
+            step, time.time(), w.written, w.dropped, errors.total, overhead, status, closed_at, w.write_errors,
+            w.last_error)))
         if errors.dirty:
             ops.append(records.errors_op(self.rank, errors.entries))
             errors.dirty = False

@@ -132,10 +132,10 @@ def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, t
         "build_report(s)\n"
         "dashboard.web.server.create_app(dashboard.web.server.AppConfig(mode='review', store=s)).layout()\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'probes') and sys.modules[m])\n"
-        # probes.store_copy and probes.state_dict_keys: the schema's stdlib halves (the read guard and the snapshot;
-        # state-dict key prefixes), loaded by probes.schema
-        "assert loaded == ['probes', 'probes._version', 'probes.schema', 'probes.state_dict_keys', "
-        "'probes.store_copy'], loaded\n"
+        # the schema's stdlib parts (the path grammar, the status file, the state-dict key prefixes, the read guard and
+        # the snapshot)
+        "assert loaded == ['probes', 'probes._compat', 'probes._version', 'probes.paths', 'probes.schema', "
+        "'probes.state_dict_keys', 'probes.store_copy', 'probes.writer_status'], loaded\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
                        text=True, timeout=120, check=False)
@@ -215,7 +215,7 @@ def test_page_builders(demo_snapshot, tmp_path):
     assert findings_page.finding_list(s.findings(), ["error"])
     assert findings_page.finding_list([], ["error"])[0].children == "No findings. ✓"
     synth_store.demo(tmp_path / "after" / "modscope.sqlite", fixed=True, steps=5)
-    from dashboard.read.store import compare_stores
+    from dashboard.read.compare import compare_stores
     cmp = compare_stores(s, Store.open_snapshot(tmp_path / "after" / "modscope.sqlite"))
     assert compare_page.modules_table(cmp, True, ("before", "after"))
     create_app(AppConfig(mode="compare", store=s, store_b=s))

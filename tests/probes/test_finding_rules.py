@@ -5,6 +5,7 @@ import sys
 
 from probes.findings import catalog
 from probes.findings.causes import assign_causes
+from probes.findings.finding import Seen
 from probes.findings.rules import RULES, DeadLayer, DeadUnits, TrainingModeMismatch, TrainStepInEvalMode, rule_for
 from probes.schema import CODES, FindingCode
 
@@ -37,8 +38,9 @@ def test_the_check_fails_when_the_page_is_out_of_date(tmp_path, monkeypatch):
 def test_causes_follow_the_relations_the_rules_declare():
     first = DeadLayer.build("stem.act", "ReLU", 1.0, 16, {}, 5)
     later = DeadUnits.build("body.act", "ReLU", 0.5, 16, {}, 5, dead_input=("body.fc", "stem.act"))
-    left = TrainingModeMismatch.mismatch("encoder", "Encoder", False, True, 1, 5, 3, registered=True)
-    set_train = TrainingModeMismatch.mismatch("decoder", "Decoder", True, False, 1, 5, 3, registered=True)
+    seen = Seen(5, first_step=1, count=3)
+    left = TrainingModeMismatch.mismatch("encoder", "Encoder", False, True, seen, registered=True)
+    set_train = TrainingModeMismatch.mismatch("decoder", "Decoder", True, False, seen, registered=True)
     step_eval = TrainStepInEvalMode.build(["encoder.drop", "encoder.bn"], 1, 5, 3)
     step_eval_outside = TrainStepInEvalMode.build(["decoder.drop"], 1, 5, 3)
     out = {(f.code, f.path, tuple(f.members)): f.cause for f in assign_causes(

@@ -437,7 +437,7 @@ def test_a_gradient_on_a_tensor_no_module_owns_is_no_bypass_and_breaks_no_sample
     import dataclasses
     from types import MappingProxyType
 
-    from probes.capture.step import StepRecord
+    from probes.capture.record import StepRecord
     from probes.findings.evaluation import bypass_candidates
     from probes.model import index as model_index
 

@@ -2,7 +2,7 @@
 must read nothing before its one host copy (issue 14, point 4), and that copy is read at a later step boundary.
 
 The accelerator's path runs here on CPU tensors: the tests empty ``tensors.FREE_READ_DEVICES`` (the device types
-whose reads cost no sync) and put the CPU into ``measure.DEFERRED_COPY_DEVICES``, so every decision the probes take
+whose reads cost no sync) and put the CPU into ``host_values.DEFERRED_COPY_DEVICES``, so every decision the probes take
 for a CUDA tensor is taken for these. A torch function mode counts the host reads the probes make (``item``,
 ``tolist``, ``float()``, ``nonzero``...) outside the reading of a copy; on a GPU, ``python -m bench.overhead
 --device cuda --sync-count`` counts the real syncs.
@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 import probes
 from bench import stored_stats
 from probes import watcher
-from probes.capture import measure
+from probes.capture import host_values
 from probes.model import tensors
 
 PROBES_DIR = os.path.dirname(probes.__file__) + os.sep
@@ -79,7 +79,7 @@ def host_reads(monkeypatch):
 @pytest.fixture
 def accelerator_path(monkeypatch):
     monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
-    monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(host_values, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
 
 
 def _train(name, factory, batch, watch, steps, host_reads, accumulate=False):
@@ -137,7 +137,7 @@ def test_the_count_sees_the_reads_the_cpu_path_makes(tmp_path, host_reads):
     factory, batch = CASES["cnn"]
     _train("cnn", factory, batch, lambda m, o: probes.watch(m, o, run_dir=tmp_path, every=1), 3, host_reads)
     assert host_reads.reads[("item", "measure.py:call_chunk")] > 0
-    assert host_reads.reads[("nonzero", "step.py:measure_updates")] == 3
+    assert host_reads.reads[("nonzero", "optimizer_step.py:measure_updates")] == 3
 
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])

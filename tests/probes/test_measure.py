@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from probes.capture import host_values as H
 from probes.capture import measure as M
 from probes.capture import tensor_stats as TS
 from probes.schema import HIST_BINS, HIST_EDGES, ZERO_BIN
@@ -17,9 +18,9 @@ def stats(x, udim=None, sat=None, activity=None, sample_index=0, window=16, extr
     chunk, layout = M.call_chunk(x, list(extra), udim, sat)
     slot = m.add_call(chunk, layout, "module")
     row = m.fetch(activity, sample_index)[slot]
-    assert len(row) == M.CALL_WIDTH
-    head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)], strict=False))
-    return head, row[len(M.CALL_FIELDS):], activity
+    assert len(row) == H.CALL_WIDTH
+    head = dict(zip(H.CALL_FIELDS, row[:len(H.CALL_FIELDS)], strict=False))
+    return head, row[len(H.CALL_FIELDS):], activity
 
 
 @pytest.mark.parametrize("shape,udim", [((64, 32), 1), ((4, 8, 16), 2), ((2, 6, 5, 5), 1), ((7,), 0)])
@@ -42,7 +43,7 @@ def test_histogram_bins_and_zero_bin():
     for v in x.tolist():
         expected[sum(1 for e in HIST_EDGES if v >= e)] += 1
     assert hist == expected
-    assert hist[M.ZERO_BIN] == 2
+    assert hist[H.ZERO_BIN] == 2
     assert head["zero_frac"] == pytest.approx(0.2)      # the zero bin's share of the sample
 
 
@@ -84,7 +85,7 @@ def test_dead_units_stay_with_their_module_when_the_call_order_changes():
     stay its own."""
     activity = M.UnitActivity(window=8)
     alive, dead = torch.ones(4, 3), torch.zeros(4, 3)
-    column = M.CALL_FIELDS.index("dead_frac")
+    column = H.CALL_FIELDS.index("dead_frac")
 
     def sample(calls: list[tuple[str, torch.Tensor]], index: int) -> dict[str, float]:
         m = M.StepMeasurements()
@@ -115,7 +116,7 @@ def test_half_precision_and_scalars():
     head, _, _ = stats(torch.randn(16, 8).half())
     assert math.isfinite(head["mean"])
     head, hist, _ = stats(torch.tensor(2.5))
-    assert head["mean"] == 2.5 and head["dead_frac"] == M.NOT_APPLICABLE and sum(hist) == 1
+    assert head["mean"] == 2.5 and head["dead_frac"] == H.NOT_APPLICABLE and sum(hist) == 1
 
 
 def test_float_tensors_of_structured_outputs():
@@ -193,7 +194,7 @@ def test_histogram_bins_by_table_equal_the_binary_search():
     x = torch.cat([x, edges, torch.nextafter(edges, edges - 1), torch.nextafter(edges, edges + 1),
                    torch.tensor([0.0, -0.0])])
     x = x[torch.isfinite(x)]
-    assert torch.equal(M._bins(x), torch.bucketize(x, edges, right=True))
+    assert torch.equal(H._bins(x), torch.bucketize(x, edges, right=True))
 
 
 def reference_row(x, udim):
@@ -241,9 +242,9 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch, scalar_reads_free
             assert values[slot] == expected
         for slot, (x, udim, key) in zip(slots, calls, strict=False):
             row, ref = values[slot], reference_row(x, udim)
-            head = dict(zip(M.CALL_FIELDS, row[:len(M.CALL_FIELDS)], strict=False))
+            head = dict(zip(H.CALL_FIELDS, row[:len(H.CALL_FIELDS)], strict=False))
             assert head["nonfinite"] == ref["nonfinite"], key
-            assert row[len(M.CALL_FIELDS):] == ref["hist"], key
+            assert row[len(H.CALL_FIELDS):] == ref["hist"], key
             assert head["zero_frac"] == pytest.approx(ref["hist"][ZERO_BIN] / sum(ref["hist"])), key
             if ref["nonfinite"]:
                 assert math.isnan(head["mean"]), key
@@ -252,9 +253,9 @@ def test_a_step_of_mixed_calls_matches_references(monkeypatch, scalar_reads_free
             assert head["mean"] == pytest.approx(ref["mean"], rel=tol, abs=tol), key
             assert head["std"] == pytest.approx(ref["std"], rel=tol, abs=tol), key
             assert head["absmax"] == pytest.approx(ref["absmax"], rel=tol), key
-            expected_dead = {"seq": 0.25, "conv": 0.0, "float64": 0.0, "half": 0.0}.get(key, M.NOT_APPLICABLE)
+            expected_dead = {"seq": 0.25, "conv": 0.0, "float64": 0.0, "half": 0.0}.get(key, H.NOT_APPLICABLE)
             assert head["dead_frac"] == pytest.approx(expected_dead), key
-            expected_sat = (x.abs() > 0.99).float().mean().item() if key == "seq" else M.NOT_APPLICABLE
+            expected_sat = (x.abs() > 0.99).float().mean().item() if key == "seq" else H.NOT_APPLICABLE
             assert head["sat_frac"] == pytest.approx(expected_sat), key
 
 
@@ -268,7 +269,7 @@ def test_calls_of_one_module_fold_their_unit_activity():
     sb = m.add_call(*M.call_chunk(b, [], 1, None), key="shared")
     other = m.add_call(*M.call_chunk(torch.zeros(4, 3), [], 1, None), key="other")
     values = m.fetch(M.UnitActivity(16), 0)
-    dead = M.CALL_FIELDS.index("dead_frac")
+    dead = H.CALL_FIELDS.index("dead_frac")
     assert values[sa][dead] == values[sb][dead] == pytest.approx(1 / 3)
     assert values[other][dead] == 1.0
 
@@ -296,9 +297,9 @@ def test_small_outputs_reduced_at_the_end_match_the_in_hook_chunks(scalar_reads_
                           direct.add_call(*M.call_chunk(x, [], udim, sat), key=key), key))
         got, want = batched.fetch(M.UnitActivity(16), step), direct.fetch(M.UnitActivity(16), step)
         for b, d, key in pairs:
-            k = len(M.CALL_FIELDS)
+            k = len(H.CALL_FIELDS)
             assert got[b][k:] == want[d][k:], key                    # the same histogram sample
-            for name, g, w in zip(M.CALL_FIELDS, got[b][:k], want[d][:k], strict=True):
+            for name, g, w in zip(H.CALL_FIELDS, got[b][:k], want[d][:k], strict=True):
                 if isinstance(w, float) and math.isnan(w):
                     assert math.isnan(g), (key, name)
                 else:

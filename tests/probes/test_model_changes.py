@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import codes, stored
 
 import probes
-from probes.capture import measure
+from probes.capture import host_values
 from probes.model import tensors
 
 
@@ -47,7 +47,7 @@ def steps(model, opt, w, n, seed=0):
 def read_path(request, monkeypatch):
     if request.param == "accelerator":
         monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
-        monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+        monkeypatch.setattr(host_values, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     return request.param
 
 

@@ -16,7 +16,7 @@ from helpers import stored
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import probes
-from probes.capture import measure
+from probes.capture import host_values
 from probes.model import tensors
 
 
@@ -46,7 +46,7 @@ class WithEma(nn.Module):
 def read_path(request, monkeypatch):
     if request.param == "accelerator":
         monkeypatch.setattr(tensors, "FREE_READ_DEVICES", frozenset())
-        monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+        monkeypatch.setattr(host_values, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
     return request.param
 
 

@@ -13,7 +13,7 @@ import zoo
 from helpers import train
 
 import probes
-from probes.capture import measure
+from probes.capture import host_values, measure
 
 
 def hook_dicts(module):
@@ -392,7 +392,7 @@ def test_deferred_host_copy_stores_what_the_immediate_copy_stores(tmp_path, monk
     deferred path stores exactly what the immediate one does, the last sample included."""
     def run(deferred):
         if deferred:
-            monkeypatch.setattr(measure, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
+            monkeypatch.setattr(host_values, "DEFERRED_COPY_DEVICES", {"cpu", "cuda"})
         torch.manual_seed(0)
         model = zoo.DeadReLU(dead_units=12)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...schema import FindingCode, KeyPrefix, Severity
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 SHOWN = 5            # keys named in the message
@@ -75,5 +75,5 @@ class CheckpointKeys(Rule):
         if result.prefix is not None:
             evidence.update(prefix=result.prefix.prefix, prefix_in_file=result.prefix.in_file)
         return make(FindingCode.CHECKPOINT_KEYS, "", message, evidence,
-                    severity=Severity.ERROR if result.trained else Severity.WARNING, step=step, first_step=first_step,
-                    count=count, fix=fix)
+                    severity=Severity.ERROR if result.trained else Severity.WARNING,
+                    seen=Seen(step, first_step=first_step, count=count), fix=fix)

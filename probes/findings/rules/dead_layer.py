@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, Links, make
+from ..finding import Finding, Links, Seen, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -50,7 +50,7 @@ class DeadLayer(Rule):
         msg, evidence, fix = with_dead_input(
             f"The output of {display_path(path)} ({type_name}) is constant ({mean!r}) in every one of the "
             f"last {samples} samples: it carries no information and passes no useful gradient.", evidence, dead_input)
-        return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, step=step, fix=fix,
+        return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, seen=Seen(step), fix=fix,
                     links=Links(related=dead_input[1] if dead_input else None))
 
     @staticmethod
@@ -60,5 +60,5 @@ class DeadLayer(Rule):
             f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated (always zero) "
             f"over the last {samples} sampled steps: the layer is dead and its inputs get no gradient "
             "through it.", evidence, dead_input)
-        return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, step=step, fix=fix,
+        return make(FindingCode.DEAD_LAYER, path, msg, evidence=evidence, seen=Seen(step), fix=fix,
                     links=Links(related=dead_input[1] if dead_input else None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, Links, make
+from ..finding import Finding, Links, Seen, make
 from .base import Reads, Rule
 from .dead_layer import with_dead_input
 
@@ -23,5 +23,5 @@ class DeadUnits(Rule):
         msg, evidence, fix = with_dead_input(
             f"{dead:.0%} of the units of {display_path(path)} ({type_name}) never activated over the last "
             f"{samples} sampled steps: capacity is wasted.", evidence, dead_input)
-        return make(FindingCode.DEAD_UNITS, path, msg, evidence=evidence, step=step, fix=fix,
+        return make(FindingCode.DEAD_UNITS, path, msg, evidence=evidence, seen=Seen(step), fix=fix,
                     links=Links(related=dead_input[1] if dead_input else None))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...schema import FindingCode
-from ..finding import Finding, fmt_times, make
+from ..finding import Finding, Seen, fmt_times, make
 from .base import Reads, Rule
 
 
@@ -22,5 +22,5 @@ class EvalBuildsGraph(Rule):
                     f"The model ran forward in eval mode with gradients enabled {fmt_times(count)} (first in step "
                     f"{first_step}, last in step {step}) and the output ({numel:,} values) was never backpropagated: "
                     "autograd recorded a graph, and kept the activations it needs, for nothing.",
-                    evidence={"forwards": count, "output_numel": numel}, step=step, first_step=first_step,
-                    count=count)
+                    evidence={"forwards": count, "output_numel": numel},
+                    seen=Seen(step, first_step=first_step, count=count))

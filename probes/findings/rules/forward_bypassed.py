@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, Severity
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 
@@ -41,4 +41,4 @@ class ForwardBypassed(Rule):
                     f"{tensor_path} received a gradient in step {step}, but its module {modules[0]} was never called "
                     f"through __call__ in that step: {how} ({seen}).",
                     evidence={"parameter": tensor_path, "modules": list(modules), "forward_called": forward_called},
-                    severity=Severity.INFO if table else None, step=step, first_step=first_step, count=count)
+                    severity=Severity.INFO if table else None, seen=Seen(step, first_step=first_step, count=count))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, fmt_size, make
+from ..finding import Finding, Seen, fmt_size, make
 from .base import Reads, Rule
 
 
@@ -25,7 +25,7 @@ class FrozenParameter(Rule):
         return make(FindingCode.FROZEN_PARAMETER, path,
                     f"{path} has requires_grad=False: it is saved and moved, and no gradient trains it while it stays "
                     "so.",
-                    evidence={"shape": shape, "in_optimizer": in_optimizer}, step=step)
+                    evidence={"shape": shape, "in_optimizer": in_optimizer}, seen=Seen(step))
 
     @staticmethod
     def module(path: str, type_name: str, n_tensors: int, numel: int, in_optimizer: int,
@@ -37,7 +37,7 @@ class FrozenParameter(Rule):
                     f"{'s' if n_tensors != 1 else ''}, all requires_grad=False{held}: saved and moved, and no gradient "
                     "trains them while they stay so.",
                     evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
-                              "type": type_name}, step=step)
+                              "type": type_name}, seen=Seen(step))
 
     @staticmethod
     def many(names: Sequence[str], n_modules: int, n_tensors: int, numel: int, in_optimizer: int,
@@ -51,4 +51,4 @@ class FrozenParameter(Rule):
                     "saved and moved, and no gradient trains them while they stay so (a frozen base around adapters, "
                     "as LoRA's).",
                     evidence={"tensors": n_tensors, "parameters": numel, "tensors_in_optimizer": in_optimizer,
-                              "modules": n_modules, "examples": list(names[:50])}, step=step)
+                              "modules": n_modules, "examples": list(names[:50])}, seen=Seen(step))

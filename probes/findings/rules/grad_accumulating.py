@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...schema import FindingCode
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 
@@ -38,7 +38,7 @@ class GradAccumulating(Rule):
                         f"{path}.grad was not zeroed between steps: each backward adds to the previous gradient "
                         f"({before}), so it grows for the whole run and holds a gradient buffer nobody uses (no "
                         "watched optimizer holds the tensor, so optimizer.zero_grad() never reaches it).",
-                        evidence={**evidence, "in_optimizer": False}, step=step,
+                        evidence={**evidence, "in_optimizer": False}, seen=Seen(step),
                         fix="Register the tensor (nn.Parameter in a registered module, nn.ModuleList) and give it to "
                             "the optimizer, so that optimizer.zero_grad() reaches it; or zero it yourself every step "
                             "(model.zero_grad()).")
@@ -52,7 +52,7 @@ class GradAccumulating(Rule):
                     f"{path}.grad still held the previous step's gradient when this step's first backward added to it "
                     f"({before}), in each of the last sampled steps: unless something zeroes it before step(), the "
                     f"optimizer that holds it steps with that growing sum instead of the step's gradient. {others}",
-                    evidence={**evidence, "in_optimizer": True, "optimizer": optimizer}, step=step,
+                    evidence={**evidence, "in_optimizer": True, "optimizer": optimizer}, seen=Seen(step),
                     fix="Zero it once per optimizer step, after optimizer.step(): optimizer.zero_grad() reaches every "
                         "tensor the optimizer holds (a zero_grad() of part of the model does not).")
 
@@ -82,7 +82,7 @@ class GradAccumulating(Rule):
                     "follows the running sum of the run's gradients instead of the step's.",
                     evidence={"optimizers": list(optimizers), "tensors": n, "tensors_with_gradients": judged,
                               "examples": list(tensors[:20])},
-                    step=step,
+                    seen=Seen(step),
                     fix="Call optimizer.zero_grad() (or model.zero_grad()) every step, after optimizer.step() (with "
                         "gradient accumulation: after each optimizer step, so that the micro-batches' gradients add up "
                         "in between); if it already runs before this optimizer's own backward, zeroing right after "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, Links, make
+from ..finding import Finding, Links, Seen, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -30,4 +30,4 @@ class NoGradient(Rule):
                     f"{names}, which the optimizer holds and which require grad: its output does not reach the loss, "
                     f"so the optimizer never changes them (in {count:,} sampled steps since step {first_step}).",
                     evidence={"tensors": list(tensor_paths[:50]), "n_tensors": len(tensor_paths)},
-                    step=step, first_step=first_step, count=count, links=Links(members=tuple(tensor_paths)))
+                    seen=Seen(step, first_step=first_step, count=count), links=Links(members=tuple(tensor_paths)))

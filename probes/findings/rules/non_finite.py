@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ...schema import FindingCode, Severity, display_path
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 
@@ -59,4 +59,5 @@ class NonFinite(Rule):
                               "modules_affected" if origin.kind == "activation" else "affected": len(origin.affected),
                               "first_modules" if origin.kind == "activation" else "first": list(origin.affected[:5]),
                               "later": list(later[:5]), "masking": origin.masking},
-                    severity=Severity.INFO if origin.masking else None, step=last_step, first_step=first, count=count)
+                    severity=Severity.INFO if origin.masking else None,
+                    seen=Seen(last_step, first_step=first, count=count))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...schema import FindingCode, Severity
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -30,7 +30,7 @@ class NotInOptimizer(Rule):
         return make(FindingCode.NOT_IN_OPTIMIZER, path,
                     f"{path} requires grad, but no param group of the watched optimizer(s) holds it (membership is "
                     "by object identity): its gradient is computed, but optimizer.step() never updates it and "
-                    "zero_grad() never clears it.", evidence={"shape": shape, "numel": numel}, step=step)
+                    "zero_grad() never clears it.", evidence={"shape": shape, "numel": numel}, seen=Seen(step))
 
     @staticmethod
     def unreached(found: Finding, samples: int) -> Finding:

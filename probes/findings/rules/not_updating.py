@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...schema import FindingCode, Severity
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 # significant bits of the low-precision floating types a parameter may be kept in
@@ -119,7 +119,7 @@ class NotUpdating(Rule):
         return make(FindingCode.NOT_UPDATING, path,
                     f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                     f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
-                    evidence=evidence, step=step, fix=fix)
+                    evidence=evidence, seen=Seen(step), fix=fix)
 
     @staticmethod
     def zero_gradient(what: Tensors, steps: Sequence[int], moved: bool, step: int, every: bool) -> Finding:
@@ -139,7 +139,7 @@ class NotUpdating(Rule):
                     evidence={"steps": list(steps), "grad_norm": 0.0, "moved_by_decay_or_momentum": moved,
                               "in_optimizer": True, "reason": "zero-gradient", "every_tensor": every,
                               **what.evidence()},
-                    severity=None if every else Severity.INFO, step=step,
+                    severity=None if every else Severity.INFO, seen=Seen(step),
                     fix="Find what zeroes the gradient: call optimizer.zero_grad() before backward(), not between "
                         "backward() and step(); give clip_grad_norm_ a max_norm above 0; remove the hook or mask; if "
                         "it is meant to stay fixed, set requires_grad_(False) and leave it out of the optimizer.")
@@ -154,7 +154,7 @@ class NotUpdating(Rule):
                     "model.zero_grad() called after backward(), or .grad set to None).",
                     evidence={"steps": list(steps), "in_optimizer": True, "reason": "gradient-cleared",
                               **what.evidence()},
-                    step=step,
+                    seen=Seen(step),
                     fix="Call optimizer.zero_grad() before backward() (or after step()), never between backward() "
                         "and step().")
 
@@ -170,7 +170,7 @@ class NotUpdating(Rule):
                     f"gradient has reached {it} in any of the {quiet} optimizer steps observed, and {its} values "
                     "never changed: it takes no part in the loss (a layer built but never called in forward, an "
                     "output the loss does not use, an expert the router never picks).",
-                    evidence=evidence, severity=Severity.WARNING, step=step,
+                    evidence=evidence, severity=Severity.WARNING, seen=Seen(step),
                     fix="Use the layer in forward, or remove it (and leave it out of the optimizer); if it is meant "
                         "to stay fixed, set requires_grad_(False). DistributedDataParallel needs "
                         "find_unused_parameters=True for a parameter no loss uses.")
@@ -188,7 +188,7 @@ class NotUpdating(Rule):
                     "optimizer.step() then).",
                     evidence={"forwards": forwards, "most_forwards_per_step": most_per_step, "since_step": since_step,
                               "reason": "optimizer-stalled"},
-                    step=since_step,
+                    seen=Seen(since_step),
                     fix="Call optimizer.step() after backward() (scaler.step(optimizer) with a GradScaler); when a "
                         "GradScaler skips every step, find the inf/NaN in the loss or the gradients "
                         "(scaler.get_scale() falls step after step; torch.autograd.detect_anomaly() names the "

@@ -13,5 +13,6 @@ class RankDivergence(Rule):
     severities = "error"
     meaning = (
         "a parameter or buffer that data parallelism keeps identical differs between ranks (computed by the reader "
-        "from every rank's fingerprints)")
+        "from every rank's fingerprints, taken at sampled steps and at close: found by the end of the run whenever it "
+        "diverged)")
     example = "model.head.weight.data += 1e-3 * (dist.get_rank() == 1)   # one replica drifts"

@@ -12,7 +12,7 @@ class RankStraggler(Rule):
     reads = Reads.RANKS
     severities = "warning"
     meaning = (
-        "one rank's steps take at least 1.5× the others' in most recent windows (computed by the reader; under DDP's "
-        "per-step all-reduce the others wait for it, so it rarely shows there: "
-        "[docs](docs/dashboard.md#runs-and-ranks))")
+        "one rank's own time per step (its wall time less its waits for the other ranks in backward and the "
+        "optimizer step) is at least 1.5× the others' in most recent windows (computed by the reader, so a slow rank "
+        "is named under DDP's synchronous all-reduce too: [docs](dashboard.md#runs-and-ranks))")
     example = "time.sleep(0.05 * (dist.get_rank() == 1))   # one rank is slower before backward"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...schema import FindingCode, Severity, display_path
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 
@@ -31,8 +31,8 @@ class Saturated(Rule):
                         "That stalls nothing under a log-likelihood loss (binary_cross_entropy: its gradient, p - y, "
                         "vanishes only where the prediction is right); under mse_loss the gradient vanishes where it "
                         "is wrong too, and BCEWithLogitsLoss on the logits is the fix.",
-                        evidence=evidence, severity=Severity.INFO, step=step)
+                        evidence=evidence, severity=Severity.INFO, seen=Seen(step))
         return make(FindingCode.SATURATED, path,
                     f"{fraction:.0%} of the outputs of {display_path(path)} ({type_name}) sit in the saturated "
                     "tails, where the gradient is nearly zero: learning through it stalls.",
-                    evidence=evidence, step=step)
+                    evidence=evidence, seen=Seen(step))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
 
@@ -20,4 +20,4 @@ class SharedParameter(Rule):
     def build(path: str, aliases: Sequence[str], shape: list[int] | None, step: int | None) -> Finding:
         return make(FindingCode.SHARED_PARAMETER, path,
                     f"{path} is the same Parameter as {', '.join(aliases)} (tied weights).",
-                    evidence={"aliases": list(aliases), "shape": shape}, step=step)
+                    evidence={"aliases": list(aliases), "shape": shape}, seen=Seen(step))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...schema import FindingCode
-from ..finding import Finding, Links, make
+from ..finding import Finding, Links, Seen, make
 from .base import Reads, Rule
 
 
@@ -23,4 +23,4 @@ class StaleOptimizerParam(Rule):
                     f"The optimizer holds a tensor of shape {shape} that is not part of the model: it updates a "
                     f"tensor the model no longer uses.{hint}",
                     evidence={"optimizer": opt_index, "group": group, "index": index, "shape": shape,
-                              "replaced": looks_like}, step=step, links=Links(related=looks_like))
+                              "replaced": looks_like}, seen=Seen(step), links=Links(related=looks_like))

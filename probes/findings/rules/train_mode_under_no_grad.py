@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, fmt_times, make
+from ..finding import Finding, Seen, fmt_times, make
 from .base import Reads, Rule
 
 
@@ -36,4 +36,4 @@ class TrainModeUnderNoGrad(Rule):
                     "guesses labels inside a training step, as MixMatch's, does so on purpose).",
                     evidence={"modules": list(modules[:20]), "modules_in_train_mode": len(modules), "context": ctx,
                               "forwards": count},
-                    step=step, first_step=first_step, count=count)
+                    seen=Seen(step, first_step=first_step, count=count))

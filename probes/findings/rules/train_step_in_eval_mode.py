@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, Links, make
+from ..finding import Finding, Links, Seen, make
 from .base import Reads, Rule
 
 
@@ -32,4 +32,4 @@ class TrainStepInEvalMode(Rule):
                     + "): dropout was off and BatchNorm used frozen running statistics. model.eval() for validation "
                     "was probably never followed by model.train().",
                     evidence={"modules": list(modules[:20]), "steps": count},
-                    step=step, first_step=first_step, count=count, links=Links(members=tuple(modules)))
+                    seen=Seen(step, first_step=first_step, count=count), links=Links(members=tuple(modules)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...schema import FindingCode, Severity, StrEnum, display_path
-from ..finding import Finding, Links, ModuleGroup, fmt_number, make
+from ..finding import Finding, Links, ModuleGroup, Seen, fmt_number, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -61,9 +61,8 @@ class TrainingModeMismatch(Rule):
                         frozenset({TrainingModeKind.LEFT_IN_EVAL})),)
 
     @staticmethod
-    def mismatch(path: str, type_name: str, training: bool, root_training: bool, first_step: int,
-                 step: int, count: int, registered: bool = False, inside: int = 0,
-                 pretrained: bool = False) -> Finding:
+    def mismatch(path: str, type_name: str, training: bool, root_training: bool, seen: Seen, *,
+                 registered: bool = False, inside: int = 0, pretrained: bool = False) -> Finding:
         """``registered``: model.train()/eval() reach the module, so its mode was set after them (a warning: on purpose
         or by mistake, the code that did it says which); otherwise they never reach it (an error). ``inside``: the
         modules below it that ran with the same flag, told in this one finding. ``pretrained``: a Hugging Face model
@@ -77,7 +76,7 @@ class TrainingModeMismatch(Rule):
             return make(FindingCode.TRAINING_MODE_MISMATCH, path,
                         f"{display_path(path)} ({type_name}){below} ran with training={training} while the model is in "
                         f"{mode} mode: model.train()/eval() did not reach it.",
-                        evidence=evidence, step=step, first_step=first_step, count=count,
+                        evidence=evidence, seen=seen,
                         links=Links(kind=TrainingModeKind.NOT_REACHED))
         evidence["mode_set_after_model"] = True
         how = f".{'train' if training else 'eval'}() on it" + (
@@ -85,7 +84,7 @@ class TrainingModeMismatch(Rule):
         return make(FindingCode.TRAINING_MODE_MISMATCH, path,
                     f"{display_path(path)} ({type_name}){below} ran with training={training} while the model is in "
                     f"{mode} mode: its mode was set on it alone ({how}), and no model.{mode}() came after.",
-                    evidence=evidence, severity=Severity.WARNING, step=step, first_step=first_step, count=count,
+                    evidence=evidence, severity=Severity.WARNING, seen=seen,
                     fix=f"Call model.{mode}() after whatever set its mode, or set it again after every model.{mode}() "
                         "if it is meant.",
                     links=Links(kind=TrainingModeKind.SET_TO_TRAIN if training else TrainingModeKind.LEFT_IN_EVAL))
@@ -102,7 +101,7 @@ class TrainingModeMismatch(Rule):
                     f"model.eval(), so {its} running statistics move to the batches evaluated (test-time adaptation "
                     "such as TENT does this on purpose).",
                     evidence=group.evidence(module_training=True, root_training=False, mode_set_after_model=True),
-                    severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count,
+                    severity=Severity.WARNING, seen=Seen(group.step, first_step=group.first_step, count=group.count),
                     fix="Call model.eval() after whatever put them in training mode, unless adapting them to the test "
                         "data is meant.",
                     links=Links(kind=TrainingModeKind.NORMS_TRAINING_IN_EVAL))
@@ -119,7 +118,7 @@ class TrainingModeMismatch(Rule):
                     "targets, a frozen backbone's features) is randomly masked at every call, though nothing in it "
                     "trains.",
                     evidence=group.evidence(module_training=True, frozen_parameters=True, dropout_in_frozen_block=True),
-                    severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count,
+                    severity=Severity.WARNING, seen=Seen(group.step, first_step=group.first_step, count=group.count),
                     fix="Put the frozen part in eval mode after every model.train() (teacher.eval()), or override its "
                         "train() to stay in eval.",
                     links=Links(kind=TrainingModeKind.FROZEN_DROPOUT_ACTIVE))
@@ -134,7 +133,7 @@ class TrainingModeMismatch(Rule):
                     f"{'its' if group.one else 'their'} mode was set after model.eval(), as Monte Carlo dropout does "
                     "on purpose (each evaluation then draws random masks).",
                     evidence=group.evidence(module_training=True, root_training=False, monte_carlo_dropout=True),
-                    severity=Severity.INFO, step=group.step, first_step=group.first_step, count=group.count,
+                    severity=Severity.INFO, seen=Seen(group.step, first_step=group.first_step, count=group.count),
                     fix="Nothing, if Monte Carlo dropout is meant; otherwise call model.eval() after whatever put them "
                         "in training mode.",
                     links=Links(kind=TrainingModeKind.MONTE_CARLO_DROPOUT))
@@ -151,7 +150,7 @@ class TrainingModeMismatch(Rule):
                     "are frozen, as fine-tuning does on purpose (mmdetection's norm_eval, timm's freeze_bn). If that "
                     "is not meant, something put them in eval() after model.train().",
                     evidence=group.evidence(module_training=False, root_training=True, frozen_normalization=True),
-                    severity=Severity.INFO, step=group.step, first_step=group.first_step, count=group.count,
+                    severity=Severity.INFO, seen=Seen(group.step, first_step=group.first_step, count=group.count),
                     links=Links(kind=TrainingModeKind.FROZEN_NORMALIZATION))
 
     @staticmethod
@@ -170,5 +169,5 @@ class TrainingModeMismatch(Rule):
                         "nn.modules.batchnorm._BatchNorm): m.eval()), or replace them with "
                         "torchvision.ops.FrozenBatchNorm2d. If adapting the statistics to new data is meant (AdaBN), "
                         "ignore this.",
-                    severity=Severity.WARNING, step=group.step, first_step=group.first_step, count=group.count,
+                    severity=Severity.WARNING, seen=Seen(group.step, first_step=group.first_step, count=group.count),
                     links=Links(kind=TrainingModeKind.FROZEN_NORMALIZATION_UPDATING))

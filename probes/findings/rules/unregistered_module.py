@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, Severity, display_path
-from ..finding import Finding, fmt_number, make
+from ..finding import Finding, Seen, fmt_number, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -60,7 +60,7 @@ class UnregisteredModule(Rule):
                     evidence={"type": type_name, "parameter_tensors": n_tensors, "parameter_numbers": numel,
                               "reachable_from": display_path(owner), "mode_sensitive": list(mode_sensitive),
                               **({"frozen_only": True} if frozen_only else {})},
-                    step=step)
+                    seen=Seen(step))
 
     @staticmethod
     def at_run_time(path: str, type_name: str, called_from: str, *, seen_before: bool, same_object: bool,
@@ -80,4 +80,4 @@ class UnregisteredModule(Rule):
                    "state_dict(), .to() and .eval() miss it.")
         return make(FindingCode.UNREGISTERED_MODULE, path, msg,
                     evidence={"type": type_name, "called_from": caller, "parameter_numbers": numel,
-                              "same_object_each_step": same_object}, step=step)
+                              "same_object_each_step": same_object}, seen=Seen(step))

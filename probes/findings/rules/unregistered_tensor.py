@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...schema import FindingCode, Severity
-from ..finding import Finding, make
+from ..finding import Finding, Seen, make
 from .base import Explains, Reads, Relation, Rule
 
 
@@ -29,4 +29,4 @@ class UnregisteredTensor(Rule):
         return make(FindingCode.UNREGISTERED_TENSOR, path, msg,
                     severity=Severity.ERROR if requires_grad else Severity.WARNING,
                     evidence={"shape": shape, "dtype": dtype, "device": device, "requires_grad": requires_grad,
-                              "is_parameter": is_parameter}, step=step)
+                              "is_parameter": is_parameter}, seen=Seen(step))

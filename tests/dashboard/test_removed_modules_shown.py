@@ -1,5 +1,5 @@
-"""What a review of the dashboard against real runs found (a head swapped and a block popped mid-run), at the
-level of the data and the page builders: no torch, of probes only ``probes.schema``."""
+"""Modules removed mid-run (a head swapped, a block popped) and what the pages say of them, at the level of the
+data and the page builders: no torch, of probes only ``probes.schema``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Findings checked against a second review: a not-in-optimizer error is frozen in effect (an info) only after 2
+"""Findings across optimizers and sampled steps: a not-in-optimizer error is frozen in effect (an info) only after 2
 sampled training steps of that tensor show no gradient (a head swapped mid-run is no teacher; a head used on steps
 that are not sampled keeps its .grad); no-gradient is judged per optimizer that stepped (one optimizer per part);
 grad-accumulating says what was seen and how many tensors are zeroed."""

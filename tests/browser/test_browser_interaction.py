@@ -1,6 +1,5 @@
-"""Browser tests from a review of the dashboard used as a user would (a real headless Chromium against a real
-server): a tree row selects its module by a click anywhere on it, and the header's "● LIVE" badge stays one badge
-in a narrow window."""
+"""The dashboard used as a user would (a real headless Chromium against a real server): a tree row selects its
+module by a click anywhere on it, and the header's "● LIVE" badge stays one badge in a narrow window."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Findings real-use reviewers found wrong or noisy, each on a real training loop: a forgotten zero_grad() is one
+"""Findings that must be one root cause and not noise, each on a real training loop: a forgotten zero_grad() is one
 root finding, a learning rate decayed to nothing says so, layers dead because their input is dead are
 consequences, and a frozen backbone is one info."""
 import pytest
