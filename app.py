@@ -7,6 +7,7 @@ an install provides), and starts the live demo when given no command.
     python app.py serve --compare A B           two runs or snapshots side by side
     python app.py export (--run DIR | --snapshot FILE) -o report.html
     python app.py findings (--run DIR | --snapshot FILE) [--json] [--fail-on error|warning|info]
+    python app.py series (--run DIR | --snapshot FILE) --metric NAME [--rank R] [-o FILE]
     python app.py run [--run-dir DIR] [--every N] [--serve] script.py [ARGS...]
     options of serve and demo: --host H --port P --token T
     today's flags without a command still work: python app.py --run DIR (serve), --port P (demo)

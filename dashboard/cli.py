@@ -1,5 +1,5 @@
 """The ``modscope`` command line (``python app.py`` in a checkout, ``python -m dashboard.cli``):
-``serve``, ``demo``, ``export``, ``findings`` and ``run``. What serving does once the arguments
+``serve``, ``demo``, ``export``, ``findings``, ``series`` and ``run``. What serving does once the arguments
 are parsed: open the stores, start the demo, serve the app (port check, token, URL, SIGTERM,
 demo watcher and shutdown) and export the standalone report; ``findings`` prints through
 dashboard/commands/findings.py; ``run`` starts the training script in a child process
@@ -335,6 +335,7 @@ COMMANDS = {
     "export": "(--run DIR | --snapshot FILE) -o report.html [--rank R]",
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
     "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
+    "series": "(--run DIR | --snapshot FILE) --metric NAME [--rank R] [-o FILE]",
     "checkpoint": "FILE (--run DIR | --snapshot FILE) [--rank R]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P]] (script.py | -m package.module) [ARGS...]",
 }
@@ -344,6 +345,7 @@ ABOUT = {
     "export": "a standalone HTML report of a run or snapshot",
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
     "snapshot": "one store file of a run (every rank) or a snapshot, holding only what modscope writes",
+    "series": "one metric over time (gradient norms, update ratios, activations ...) as a tidy CSV",
     "checkpoint": "does a saved state dict restore the run's model? exit 1 when keys are missing or shapes differ",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
@@ -400,6 +402,9 @@ def _dispatch(argv: list[str], prog: str) -> int:
     if cmd == "snapshot":
         from .commands.snapshot import snapshot_main
         return snapshot_main(rest, prog, _Parser)
+    if cmd == "series":
+        from .commands.series import series_main
+        return series_main(rest, prog, _Parser, fail)
     if cmd == "checkpoint":
         from .commands.checkpoint import main as checkpoint_main
         return checkpoint_main(rest, _Parser(prog=f"{prog} checkpoint", description=ABOUT["checkpoint"]), fail)

@@ -53,10 +53,10 @@ __all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST
            "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "ROOT_DISPLAY", "SCHEMA_VERSION",
            "SEVERITY_ORDER", "STATUS_BYTES", "STATUS_SUFFIX", "TABLES", "CodeInfo", "FindingCode", "KeyPrefix",
            "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind", "UntrustedStoreError",
-           "WriterState", "WriterStatus", "attr_path", "code_label", "contract_columns", "decode_hist", "display_path",
-           "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path", "key_prefix",
-           "member_path", "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename",
-           "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
+           "WriterState", "WriterStatus", "attr_path", "code_label", "contract_columns", "count_text", "decode_hist",
+           "display_path", "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path",
+           "key_prefix", "member_path", "module_path_candidates", "normalize_path", "overhead_option",
+           "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -271,6 +271,21 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
 
 
 EVENT_CODES = frozenset(code for code, info in CODES.items() if info.event)
+
+
+def count_text(root_causes: Mapping[str, int], consequences: int) -> str:
+    """How findings are counted everywhere (the summary of ``modscope run``, ``modscope findings``, the
+    Overview, the Findings page, the report): root causes by severity first, then the findings they explain.
+    ``{"error": 2, "warning": 1}, 12`` -> ``'3 root causes (2 errors, 1 warning) and 12 consequences'``."""
+    total = sum(root_causes.values())
+    if not total and not consequences:
+        return "no findings"
+    parts = [f"{n} {s}{'s' if n != 1 and s != Severity.INFO else ''}"
+             for s in (str(v) for v in Severity) if (n := int(root_causes.get(s, 0)))]
+    text = f"{total} root cause{'s' if total != 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
+    if consequences:
+        text += f" and {consequences} consequence{'s' if consequences != 1 else ''}"
+    return text
 
 
 def code_label(code: str) -> str:

@@ -45,7 +45,7 @@ from .findings.structural import structural_findings
 from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
 from .model.runtime import RuntimeModules
 from .model.structure import ModuleNode, compiled_modules, model_device, unwrap
-from .schema import RunStatus, StrEnum, display_path
+from .schema import RunStatus, StrEnum, count_text, display_path
 from .store import records
 from .store.records import Op
 from .store.rundir import RunFiles, interval_channel
@@ -506,14 +506,17 @@ class FindingList(list[Finding]):
                 explained.setdefault((f.cause[0], f.cause[1]), []).append(f)
         return [(r, explained.get(r.key, [])) for r in roots]
 
+    def count_text(self) -> str:
+        """'3 root causes (2 errors, 1 warning) and 12 consequences': as the dashboard and ``modscope findings``
+        count them (``schema.count_text``)."""
+        groups = self._groups()
+        by_severity: dict[str, int] = {}
+        for root, _ in groups:
+            by_severity[str(root.severity)] = by_severity.get(str(root.severity), 0) + 1
+        return count_text(by_severity, len(self) - len(groups))
+
     def _head(self) -> str:
-        if not self:
-            return "no findings"
-        counts = [(s, sum(1 for f in self if f.severity == s)) for s in ("error", "warning", "info")]
-        text = ", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts if n)
-        roots = len(self._groups())
-        return (f"{len(self)} finding{'s' if len(self) != 1 else ''} ({text}): "
-                f"{roots} root cause{'s' if roots != 1 else ''}")
+        return self.count_text()
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         lines = [self._head()]

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.schema import SEVERITY_ORDER, Severity, display_path
+from probes.schema import SEVERITY_ORDER, Severity, count_text, display_path
 
 from ..read.run import Run, RunDir, merge_findings
 from ..read.run_folders import run_folders, run_folders_text
@@ -111,8 +111,8 @@ def format_json(findings: Sequence[dict[str, Any]]) -> str:
 def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
     """One block per root cause (severity, code, path, ranks and steps; the message; the fix), with one line
     per finding it explains under it (the layers of a plain list do not update *because* they are
-    unregistered: the fix is the cause's), after a one-line count."""
-    counts = {level: sum(1 for f in findings if f["severity"] == level) for level in LEVELS}
+    unregistered: the fix is the cause's), after a one-line count (``schema.count_text``: root causes by
+    severity, then the consequences)."""
     runs = sorted({f["run"] for f in findings})
     keys = {(f["run"], f["code"], f["path"]) for f in findings}
 
@@ -125,9 +125,8 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
         if (key := cause_key(f)) is not None:
             explained.setdefault(key, []).append(dict(f))
     roots = [f for f in findings if cause_key(f) is None]
-    head = ", ".join(f"{n} {level}{'s' if n != 1 and level != 'info' else ''}" for level, n in counts.items())
-    if len(roots) != len(findings):
-        head += f" ({len(roots)} root cause{'s' if len(roots) != 1 else ''})"
+    counts = {level: sum(1 for f in roots if f["severity"] == level) for level in LEVELS}
+    head = count_text(counts, len(findings) - len(roots))        # as the dashboard and `modscope run` count
     lines = [f"{where}: {head}" + (f" in {len(runs)} runs" if len(runs) > 1 else "")]
     if not findings:
         lines[0] = f"{where}: no active findings"

@@ -1,8 +1,8 @@
 """One store file opened for reading: its connections (one per thread, read-only, bounded by
 :mod:`dashboard.read.store_guard`), its validation (file type, schema version, tables) and the parameterised,
 row- and time-limited query every read goes through. The queries themselves are in the classes built on it
-(:mod:`.module_queries`, :mod:`.finding_queries`, :mod:`.run_queries`); :class:`dashboard.read.store.Store` is
-all of them."""
+(:mod:`.module_queries`, :mod:`.finding_queries`, :mod:`.run_queries`, :mod:`.series_queries`);
+:class:`dashboard.read.store.Store` is all of them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A store file read as one object: :class:`Store` is the connection (:mod:`.connection`) with every query of the
-read side (:mod:`.module_queries`, :mod:`.finding_queries`, :mod:`.run_queries`). Every SQL statement of the
-dashboard lives in the read side (and the checked views every connection reads through, in
+read side (:mod:`.module_queries`, :mod:`.finding_queries`, :mod:`.run_queries`, :mod:`.series_queries`). Every SQL
+statement of the dashboard lives in the read side (and the checked views every connection reads through, in
 :mod:`dashboard.read.store_guard`: a store is untrusted input).
 
 A :class:`Store` reads one store file (one rank's, a version-1 run's, or a snapshot); :class:`dashboard.read.run.Run`
@@ -61,7 +61,7 @@ from .liveness import (
     snapshot_liveness,
     status_text,
 )
-from .run_queries import RunQueries
+from .series_queries import SeriesQueries
 
 __all__ = ["MAX_CHILDREN", "MAX_COMPARE_MODULES", "MAX_FINDINGS", "MAX_HEAT_COLUMNS", "MAX_KEYS", "MAX_PARAMS",
            "MAX_POINTS", "MAX_SEARCH", "MAX_STEP_LIST", "MAX_TENSORS", "RECENT_STEPS", "REMOVED", "SQLITE_HEADER",
@@ -72,7 +72,7 @@ __all__ = ["MAX_CHILDREN", "MAX_COMPARE_MODULES", "MAX_FINDINGS", "MAX_HEAT_COLU
            "snapshot_to", "snapshot_with_step", "status_text", "writer_present"]
 
 
-class Store(RunQueries):
+class Store(SeriesQueries):
     """Read access to one store file (a live run's rank, or a snapshot).
 
     ``live=True``: the file may not exist yet and is being written (WAL): opened read-only. With ``run_dir`` the file

@@ -65,6 +65,15 @@ def _base(title: str | None, height: int, uirevision: object) -> dict[str, Any]:
     return layout
 
 
+def whole_steps(axis: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
+    """A step axis that labels whole steps only: integer ticks, one per step over a short span (plotly would
+    put ticks at 0.5 there)."""
+    axis["tickformat"] = "d"
+    if steps and max(steps) - min(steps) < 8:
+        axis["dtick"] = 1
+    return axis
+
+
 def empty_figure(message: str, height: int = 240) -> Figure:
     """A chart that says ``message`` instead (wrapped: a plotly annotation is one line, cut at the chart's edges)."""
     layout = _base(None, height, "empty")
@@ -88,6 +97,7 @@ def loss_figure(series: Series, uirevision: object = "loss", height: int = 280) 
         # no API named: a run of `modscope run` records the loss itself, and its script calls nothing of modscope
         return empty_figure("No loss recorded yet.", height)
     layout = _base("Loss", height, uirevision)
+    whole_steps(layout["xaxis"], steps)
     if all(v is None or v > 0 for v in loss) and _spread(loss) > 100:
         layout["yaxis"]["type"] = "log"
     return {"data": [_scatter(steps, loss, "loss", SERIES_COLORS[0], len(steps))], "layout": layout}
@@ -107,8 +117,7 @@ def _lines(title: str, series: Series, keys: Sequence[tuple[str, str]], uirevisi
     layout = _base(title, height, uirevision)
     data = [_scatter(steps, series.get(key) or [], label, SERIES_COLORS[i % 5], len(steps))
             for i, (key, label) in enumerate(keys)]
-    if steps and max(steps) - min(steps) < 8:
-        layout["xaxis"]["dtick"] = 1
+    whole_steps(layout["xaxis"], steps)
     if ytitle:
         layout["yaxis"]["title"] = {"text": ytitle}
     if yrange:
@@ -160,9 +169,7 @@ def detail_series_figure(series: Series, uirevision: object, height: int = 700, 
         return empty_figure(empty, height)
     layout = _base(None, height, uirevision)
     layout["margin"] = {"l": 52, "r": 28, "t": 32, "b": 40}
-    layout["xaxis"] = _axis(anchor="y3")
-    if max(steps) - min(steps) < 8:
-        layout["xaxis"]["dtick"] = 1
+    layout["xaxis"] = whole_steps(_axis(anchor="y3"), steps)
     data, annotations = [], []
     grads = [v for v in (series.get("out_grad_norm") or []) if v is not None]
     for k, (title, keys, domain) in enumerate(DETAIL_PANELS):
@@ -232,6 +239,7 @@ def heatmap_figure(hist: Series, uirevision: object, height: int = 300, *,
     layout.update(hovermode="closest", margin={"l": 96, "r": 96, "t": 36, "b": 40})
     layout["yaxis"] = _axis(type="category", showgrid=False)
     layout["xaxis"]["showgrid"] = False
+    whole_steps(layout["xaxis"], steps)
     trace = {"type": "heatmap", "x": list(steps), "y": labels[lo:hi + 1], "z": z[lo:hi + 1],
              "colorscale": "Viridis", "zmin": 0, "zmax": max(max(r) for r in z) or 1,
              "colorbar": {"thickness": 10},

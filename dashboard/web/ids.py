@@ -21,6 +21,7 @@ EXPANDED = "expanded-nodes"    # {"view": [run, rank], "ids": [module ids]}
 RUN = "run-select"             # a run key, or dashboard.read.run.NEWEST (follow the newest run)
 RANK = "rank-select"
 RUN_STATUS = "run-status"
+MODE_BADGE = "mode-badge"      # "live" (a run that trains), "finished", "snapshot"
 
 # export
 EXPORT_SNAPSHOT_BTN = "export-snapshot-btn"
@@ -64,6 +65,20 @@ FINDINGS_OPEN = "findings-open"        # keys of the opened <details> (component
 FINDINGS_TOGGLE = "findings-toggle"    # {"keys", "t"}: the <details> open after the user's last toggle
                                        # (written by assets/modscope.js; kept in the tab's sessionStorage:
                                        # what was opened is drawn open again when the user comes back)
+
+# layers page (how each layer trains over time)
+LAYERS_METRIC = "layers-metric"
+LAYERS_ROWS = "layers-rows"            # "layers" (modules and blocks) or "tensors" (one row per tensor)
+LAYERS_OPEN = "layers-open"            # module ids of the open blocks (their children are rows)
+LAYERS_PICK = "layers-pick"            # row keys the line chart draws
+LAYERS_INFO = "layers-info"
+LAYERS_HEAT = "layers-heat"
+LAYERS_LINES = "layers-lines"
+LAYERS_STATE = "layers-state"          # what is drawn: {"view", "rows", "last", "columns", "user_opened"}
+
+# module detail: each parameter's history
+DETAIL_PARAM_HISTORY = "detail-param-history"
+DETAIL_PARAM_HISTORY_STATE = "detail-param-history-state"
 
 # compare page
 CMP_SUMMARY = "cmp-summary"

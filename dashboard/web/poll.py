@@ -26,13 +26,15 @@ from dash.exceptions import PreventUpdate
 
 from ..read.run import NEWEST, Run, RunInfo, format_ranks, others_note
 from ..read.shown_text import TEXT_MAX, clip
-from ..read.store import StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
+from ..read.store import RunState, StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .config import AppConfig, Mode
 
-__all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "read_tick", "reads_store", "status_text",
-           "view_of"]
+__all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "mode_badge", "poll_timing", "read_tick",
+           "reads_store", "status_text", "view_of"]
 
 _TUPLES = ("runs", "ranks", "structure", "findings", "progress")
+FINISHED = "finished"
+FINISHED_POLL_MS = 10_000     # a finished run: how often the directory is looked at for a new run
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Tick:
     write_trouble: str = ""           # banner text while (or after) store writes failed
     write_failing: bool = False
     warning: str = ""                 # banner text: rank files left out, WAL written from another host
+    finished: bool = False            # every rank of the run shown closed its store: nothing more will come
+    next_sample: str = ""             # "next full sample at step 512, 1 % budget" (a run that trains)
     n: int = 0                        # how many changes the poll has seen
 
     def to_data(self) -> dict[str, Any]:
@@ -104,13 +108,16 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
         ranks = tuple(shown.ranks())
         sig, findings, progress = shown.change_signature(view)
         health = shown.health()
+        sched = shown.at(view).sample_schedule(view)
     except StoreNotReadyError:
         return Tick()
     except StoreError as exc:
         # the runs stay listed: the selector leads away from a run that cannot be read
         return Tick(error=str(exc), runs=runs, run="" if run in (None, NEWEST) else str(run))
     trouble = _trouble(health.troubles, len(ranks) > 1)
-    return Tick(ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks, last_step=sig.last_step,
+    finished = bool(health.states) and all(life.state is RunState.CLOSED for life in health.states.values())
+    return Tick(finished=finished, next_sample="" if finished else sched.next_text(),
+                ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks, last_step=sig.last_step,
                 stats_step=sig.stats_step, structure=sig.structure, findings=findings, progress=progress,
                 status=status_text(health.states[view]), note=others_note(health.states, view),
                 samples_dropped=sig.samples_dropped, probe_errors=sig.probe_errors,
@@ -171,8 +178,29 @@ def header_text(tick: Tick) -> str:
     if not tick.ready:
         return "waiting for the first sample"
     step = "no step yet" if tick.last_step is None else f"step {tick.last_step}"
-    text = f"{step} · {tick.status}" if tick.status else step
+    status = FINISHED if tick.finished else tick.status
+    text = f"{step} · {status}" if status else step
+    text = f"{text} · {tick.next_sample}" if tick.next_sample else text
     return f"{text} · {tick.note}" if tick.note else text
+
+
+def mode_badge(live: bool, tick: Tick) -> tuple[str, str]:
+    """The header's badge (text, class): a followed run is "live" while it trains and "finished" once every
+    rank closed its store (its pages stop polling it); a snapshot is a "snapshot"."""
+    if not live:
+        return "snapshot", "mode mode-review"
+    return (FINISHED, "mode mode-finished") if tick.finished else ("live", "mode mode-live")
+
+
+def poll_timing(live: bool, tick: Tick, following_newest: bool, poll_ms: int) -> tuple[bool, int]:
+    """(the poll's ``disabled``, its ``interval`` in ms): every ``poll_ms`` while the run shown trains; once it
+    finished, no poll for a run the user chose, and a look for a new run in the directory every
+    ``FINISHED_POLL_MS`` while the dashboard follows the newest (a training restarted into it)."""
+    if not live:
+        return True, poll_ms
+    if not tick.finished:
+        return False, poll_ms
+    return (False, max(poll_ms, FINISHED_POLL_MS)) if following_newest else (True, poll_ms)
 
 
 def banner(tick: Tick, source: HasWhere) -> list[html.Div]:

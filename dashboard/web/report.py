@@ -18,10 +18,10 @@ from typing import Any
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from probes.schema import ModuleKind, Severity, display_path
+from probes.schema import ModuleKind, Severity, count_text, display_path
 
 from ..paths import assets_dir
-from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note
+from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note, root_counts
 from ..read.shown_text import FULL_MAX, TEXT_MAX, clip, title
 from ..read.store import REMOVED, Store, status_text
 from . import figures
@@ -176,6 +176,7 @@ def _ranks_html(rows: list[dict[str, Any]]) -> str:
 
 
 def _overview_html(ov: dict[str, Any]) -> str:
+    params = ov.get("params") or {}
     rows = [
         ("Run", ov["run_name"]), ("Run id", ov.get("run_id")), ("Ranks", format_ranks(ov.get("ranks") or [0])),
         ("Model class", ov.get("model_class")), ("Status", ov.get("status")),
@@ -185,8 +186,11 @@ def _overview_html(ov: dict[str, Any]) -> str:
         ("Registered modules", ov["modules"][ModuleKind.REGISTERED]),
         ("Unregistered modules", ov["modules"][ModuleKind.UNREGISTERED] + ov["modules"][ModuleKind.RUNTIME]),
         *([("Modules removed during the run", ov["modules_removed"])] if ov.get("modules_removed") else []),
-        ("Parameters", (ov.get("params") or {}).get("total")),
-        ("Parameters held by the optimizer", (ov.get("params") or {}).get("in_optimizer")),
+        ("Parameters", (params.get("total") or 0) + (params.get("unregistered") or 0)),
+        ("Parameters registered (model.parameters())", params.get("total")),
+        *([("Parameters unregistered (not in model.parameters())", params["unregistered"])]
+          if params.get("unregistered") else []),
+        ("Parameters held by the optimizer", params.get("in_optimizer")),
         *([("Failed store commits", ov["write_errors"]), ("Last store error", ov.get("last_error"))]
           if ov.get("write_errors") else []),
         ("Torch", ov.get("torch_version")), ("Device", ov.get("device")), ("Store", Path(ov["path"]).name),
@@ -240,15 +244,19 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
             continue
         series = store.module_series(rank, mid)
         rev = f"r{i}"
+        # a container that never ran (a ModuleList) has no samples: no empty panels for it
+        panels = [(fig, name) for fig, name in (
+            (figures.activation_figure(series, rev), "act"), (figures.fractions_figure(series, rev), "frac"),
+            (figures.grad_figure(series, rev), "grad"), (figures.heatmap_figure(store.module_hist(rank, mid), rev),
+                                                          "heat")) if fig["data"]]
+        if not panels:
+            continue
         gone = (f' <span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None else "")
         module_sections.append(
             f'<section class="report-module"><h3 class="mono">{esc_name(display_path(m["path"]))} '
             f'<span class="tree-type">{esc_name(m["type"])}</span>{gone}</h3><div class="charts">'
-            + _fig_html(figures.activation_figure(series, rev), f"chart-{i}-act")
-            + _fig_html(figures.fractions_figure(series, rev), f"chart-{i}-frac")
-            + _fig_html(figures.grad_figure(series, rev), f"chart-{i}-grad")
-            + _fig_html(figures.heatmap_figure(store.module_hist(rank, mid), rev), f"chart-{i}-heat")
+            + "".join(_fig_html(fig, f"chart-{i}-{name}") for fig, name in panels)
             + "</div></section>")
     generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     heading = f"modscope report: {clip(ov['run_name'])}"
@@ -270,7 +278,7 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 <section class="panel" id="overview"><h2>Overview</h2>{_overview_html(ov)}</section>
 {ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>
-<section class="panel" id="findings"><h2>Findings ({len(roots)} root causes, {len(merged)} in all)</h2>
+<section class="panel" id="findings"><h2>Findings: {esc(count_text(root_counts(roots), len(merged) - len(roots)))}</h2>
 {_findings_html(roots, several)}</section>
 <section class="panel" id="tree"><h2>Module tree{tree_rank}</h2>{_tree_html(store, rank)}</section>
 <section class="panel" id="modules"><h2>Module charts{tree_rank}</h2>{''.join(module_sections)}</section>

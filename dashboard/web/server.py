@@ -27,6 +27,8 @@ from .poll import (
     banner,
     callback,
     header_text,
+    mode_badge,
+    poll_timing,
     rank_options,
     read_tick,
     reads_store,
@@ -127,6 +129,7 @@ def nav(pages: tuple[Page, ...], count: tuple[str, str] = ("", "nav-count")) -> 
 
 def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
     tick = read_tick(config)
+    disabled, interval = poll_timing(config.live, tick, True, config.poll_ms)
     ranks = list(tick.ranks) or [0]
     runs = header_runs(config)
     if config.mode is Mode.COMPARE:
@@ -136,8 +139,8 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
                     html.Span(f"{config.labels[1]}: {config.source_b.where}", className="run-path")]
     else:
         where = str(config.source.where)
-        subtitle = [html.Span("live" if config.live else "snapshot",
-                              className=f"mode mode-{'live' if config.live else 'review'}"),
+        badge, badge_class = mode_badge(config.live, tick)
+        subtitle = [html.Span(badge, id=ids.MODE_BADGE, className=badge_class),
                     html.Span(where, className="run-path", title=where),
                     html.Span(header_text(tick), id=ids.RUN_STATUS, className="run-status")]
     export = [] if config.mode is Mode.COMPARE else [
@@ -165,7 +168,7 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
     ], id=ids.HEADER, className="header")
     return html.Div([
         dcc.Location(id=ids.URL, refresh=False),
-        dcc.Interval(id=ids.INTERVAL, interval=config.poll_ms, disabled=not config.live),
+        dcc.Interval(id=ids.INTERVAL, interval=interval, disabled=disabled),
         dcc.Store(id=ids.TICK, data=tick.to_data()),
         dcc.Store(id=ids.SELECTED, data=None),
         dcc.Store(id=ids.EXPANDED, data=None),
@@ -216,12 +219,14 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
     @callback(app, Output(ids.TICK, "data"), Output(ids.BANNER, "children"),
                   Output(ids.RUN, "options"), Output(ids.RUN, "style"),
                   Output(ids.RANK, "options"), Output(ids.RANK, "value"), Output(ids.RANK, "style"),
+                  Output(ids.INTERVAL, "disabled"), Output(ids.INTERVAL, "interval"),
                   Input(ids.INTERVAL, "n_intervals"), Input(ids.RUN, "value"), Input(ids.RANK, "value"),
                   State(ids.TICK, "data"))
     def poll(_n: int | None, run: str | None, rank: int | None, tick: object) -> tuple[Any, ...]:
         """The poll (live mode, every interval) and the view (which run, which rank: both modes).
         The run selector lists the directory's runs (shown when there are several); while it says
-        "newest", a new run in the directory is shown as soon as it appears."""
+        "newest", a new run in the directory is shown as soon as it appears. Once the run shown finished
+        its pages stop polling it (``poll_timing``)."""
         old, new = Tick.from_data(tick), read_tick(config, run, rank)
         if new.same_content(old):
             raise PreventUpdate
@@ -232,11 +237,14 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
         return (new.to_data(), banner(new, source),
                 options, shown_if(len(new.runs) > 1) if runs_changed else no_update,
                 rank_options(ranks) if new.ranks != old.ranks else no_update,
-                new.rank if rank != new.rank else no_update, shown_if(len(ranks) > 1))
+                new.rank if rank != new.rank else no_update, shown_if(len(ranks) > 1),
+                *poll_timing(config.live, new, run in (None, NEWEST), config.poll_ms))
 
-    @callback(app, Output(ids.RUN_STATUS, "children"), Input(ids.TICK, "data"))
-    def run_status(tick: object) -> str:
-        return header_text(Tick.from_data(tick))
+    @callback(app, Output(ids.RUN_STATUS, "children"), Output(ids.MODE_BADGE, "children"),
+              Output(ids.MODE_BADGE, "className"), Input(ids.TICK, "data"))
+    def run_status(tick: object) -> tuple[str, str, str]:
+        shown = Tick.from_data(tick)
+        return (header_text(shown), *mode_badge(config.live, shown))
 
     @callback(app, Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
                   Input(ids.TICK, "data"), prevent_initial_call=True)

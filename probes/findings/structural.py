@@ -7,6 +7,7 @@ from ..schema import ModuleKind, TensorKind
 from .finding import Finding
 from .rules import (
     FrozenParameter,
+    HeldModule,
     NotInOptimizer,
     SharedParameter,
     StaleOptimizerParam,
@@ -42,20 +43,7 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
     # list once a module is added or removed mid-run
     modules = {n.module_id: n for n in s.modules}
     averaged = averaged_copy_ids(s)
-    for node in s.modules:
-        if not node.top_level_unregistered or node.module is None:
-            continue
-        sub = node.module
-        if not subtree_has_state_or_modes(sub):
-            continue        # drawn in the tree: nothing the optimizer, state_dict(), .to() or .eval() could miss
-        modes = sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)})
-        owner = modules[node.parent_id].path if node.parent_id is not None else ""
-        params = list(sub.parameters())
-        all_frozen = bool(params) and not any(p.requires_grad for p in params)
-        frozen_only = all_frozen and not modes and next(iter(sub.buffers()), None) is None
-        out.append(UnregisteredModule.in_attributes(node.path, node.type, len(params), node.params_total, owner, modes,
-                                                step, frozen_only=frozen_only,
-                                                all_frozen=all_frozen))
+    out += UnregisteredModule.in_attributes_of(held_modules(s, modules), step)
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED
         if t.kind == TensorKind.TENSOR and owner_kind == ModuleKind.REGISTERED:
@@ -77,6 +65,26 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
                                                   step))
     return out
 
+
+
+def held_modules(s: ModelStructure, modules: dict[int, ModuleNode]) -> list[HeldModule]:
+    """The unregistered modules found in the model's attributes that the optimizer, state_dict(), .to() or .eval()
+    could miss, in the walk's order."""
+    out: list[HeldModule] = []
+    for node in s.modules:
+        if not node.top_level_unregistered or node.module is None:
+            continue
+        sub = node.module
+        if not subtree_has_state_or_modes(sub):
+            continue        # drawn in the tree: nothing the optimizer, state_dict(), .to() or .eval() could miss
+        modes = tuple(sorted({type(m).__name__ for m in sub.modules() if is_mode_sensitive(m)}))
+        owner = modules[node.parent_id].path if node.parent_id is not None else ""
+        params = list(sub.parameters())
+        all_frozen = bool(params) and not any(p.requires_grad for p in params)
+        frozen_only = all_frozen and not modes and next(iter(sub.buffers()), None) is None
+        out.append(HeldModule(node.path, node.type, len(params), node.params_total, owner, modes,
+                              frozen_only=frozen_only, all_frozen=all_frozen))
+    return out
 
 
 # frozen subtrees and tensors beyond which one info at the root counts them all (LoRA on every projection of an LLM

@@ -188,12 +188,11 @@ class AutoWatch:
                           "parameters of an nn.Module)")
 
     def _summarise(self, w: Watcher) -> None:
-        findings = w.findings()
         w.close()
+        findings = w.findings()        # after close: what the store holds (close judges what ran after the last step)
         if process_rank()[0] != 0:
             return
-        counts = {s: sum(1 for f in findings if str(f.severity) == s) for s in ("error", "warning", "info")}
-        text = ", ".join(f"{n} {s}" + ("s" if n != 1 and s != "info" else "") for s, n in counts.items())
+        text = findings.count_text()          # root causes first, as the dashboard counts them
         self._say(f"modscope: {self._names.get(id(w), 'model')}: {text} (modscope findings --run {self.run_dir})")
 
     # ----------------------------------------------------------------------------- hooks

@@ -243,6 +243,9 @@ class ModelIndex:
         tid = self.tensor_paths.get(path)
         if tid is not None:
             return self.tensors[tid].module_id
+        if code == FindingCode.UNREGISTERED_MODULE:      # the layers of a plain list: drawn on its first layer
+            return next((mid for p, mid in sorted(self.paths.items(), key=lambda kv: kv[1])
+                         if p.startswith(path + "[")), None)
         return self.root_id if code == FindingCode.STALE_OPTIMIZER_PARAM else None
 
     # -- what the hooks attach to (read live: requires_grad can change between rebuilds) ----------------

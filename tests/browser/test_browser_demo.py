@@ -151,16 +151,16 @@ def nav_count(driver) -> tuple[str, str]:
 
 
 def test_findings_count_in_every_mode(page, server_factory, tmp_path):
-    """The "Findings" tab carries the number of active root causes (3 errors: the plain-list blocks) on
-    every page, also where nothing polls a change: a closed run (live mode) and a snapshot (review)."""
+    """The "Findings" tab carries the number of active root causes (1 error: the plain list of 3 blocks) on
+    every page, also where nothing polls a change: a finished run (live mode) and a snapshot (review)."""
     run = run_demo(tmp_path / "closed")
     store = next(run.glob("modscope-*-rank0.sqlite"))
     for args in (["--run", str(run)], ["--snapshot", str(store)]):
         srv = server_factory(args)
         for path in ("", "findings", "modules"):
             page.get(srv.url + path)
-            wait_text(page, "closed", "#run-status")
-            wait_for(page, lambda d: nav_count(d)[0] == "3", f"the count 3 next to Findings ({args[0]} /{path})")
+            wait_text(page, "finished", "#run-status")
+            wait_for(page, lambda d: nav_count(d)[0] == "1", f"the count 1 next to Findings ({args[0]} /{path})")
             assert "sev-error" in nav_count(page)[1].split()
         page.get("about:blank")                        # no poll to a server that stops
         srv.stop()
@@ -187,21 +187,21 @@ def test_live_findings_keep_what_was_opened(page, server_factory, tmp_path):
     page.get(srv.url + "findings")
     wait_for(page, lambda d: [el.text for el in d.find_elements(By.CSS_SELECTOR, "#findings-list > .finding > "
                                                                 "details.consequences > summary")]
-             == ["4 consequences"] * 3, "three root causes with 4 consequences each")
-    wait_for(page, lambda d: nav_count(d)[0] == "3", "the count 3 next to Findings (live)")
+             == ["12 consequences"], "the plain list's one root cause with its 12 consequences")
+    wait_for(page, lambda d: nav_count(d)[0] == "1", "the count 1 next to Findings (live)")
     click(page, "#findings-list > .finding:nth-child(2) > details.consequences > summary")
-    click(page, "#findings-list > .finding:nth-child(4) > details.evidence-box > summary")
+    click(page, "#findings-list > .finding:nth-child(2) > details.evidence-box > summary")
     state = wait_for(page, lambda d: (s := d.execute_script(FINDINGS_STATE))["consequences"][0]
-                     and s["evidence"][2] and s, "the consequences of the first, the evidence of the third")
+                     and s["evidence"][0] and s, "the consequences and the evidence of the root cause")
     page.execute_script("window.scrollTo(0, 300);")
     wait_for(page, lambda d: d.execute_script("return window.scrollY;") == 300, "the page scrolled")
     seen = [state["seen"][0]]
     deadline = time.monotonic() + 60
     while len(seen) < 5:                                  # four polls that changed the first card's count
         state = page.execute_script(FINDINGS_STATE)
-        assert state["consequences"][0] and state["evidence"][2], f"closed again after {seen}: {state}"
-        assert state["shown"] == 4 and state["scroll"] == 300 and state["url"] == "/findings", state
-        assert not any(state["consequences"][1:]) and not any(state["evidence"][:2]), state
+        assert state["consequences"][0] and state["evidence"][0], f"closed again after {seen}: {state}"
+        assert state["shown"] == 12 and state["scroll"] == 300 and state["url"] == "/findings", state
+        assert not any(state["consequences"][1:]) and not any(state["evidence"][1:]), state
         if state["seen"][0] != seen[-1]:
             seen.append(state["seen"][0])
         assert time.monotonic() < deadline, f"the first finding's count did not change four times: {seen}"
@@ -260,14 +260,15 @@ def test_live_module_detail_keeps_what_the_user_did(page, server_factory, tmp_pa
     wait_text(page, "encoder.blocks[1]", "#detail-header h2")
     wait_for(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail-heat .heatmaplayer *"), "heat map")
     zoomed = drag_zoom(page, "detail-heat")
+    opened = [False, True] + [False] * 10       # the evidence of the second of the 12 consequences
     root = "#detail-findings > .detail-findings > .finding:nth-child(2)"        # after the heading
-    wait_text(page, "4 consequences", f"{root} > details.consequences > summary")
+    wait_text(page, "12 consequences", f"{root} > details.consequences > summary")
     click(page, f"{root} > details.evidence-box > summary")
     click(page, f"{root} > details.consequences > summary")
     click(page, f"{root} .consequences-list > .finding:nth-child(2) > details.evidence-box > summary")
     state = wait_for(page, lambda d: (s := d.execute_script(DETAIL_STATE))["evidence"] == [True]
-                     and s["consequences"] == [True] and s["folded"] == [False, True, False, False] and s,
-                     "the evidence and consequences of encoder.blocks[1]'s finding, one consequence's evidence")
+                     and s["consequences"] == [True] and s["folded"] == opened and s,
+                     "the evidence and consequences of the plain list's finding, one consequence's evidence")
     bottom = page.execute_script("window.scrollTo(0, document.documentElement.scrollHeight);"
                                  "return window.scrollY;")
     assert bottom > 0
@@ -276,7 +277,7 @@ def test_live_module_detail_keeps_what_the_user_did(page, server_factory, tmp_pa
     while len(seen) < 5 or len(columns) < 4:          # polls that drew the findings and the heat map again
         state = page.execute_script(DETAIL_STATE)
         assert state["evidence"] == [True] and state["consequences"] == [True], f"closed after {seen}: {state}"
-        assert state["folded"] == [False, True, False, False], f"closed after {seen}: {state}"
+        assert state["folded"] == opened, f"closed after {seen}: {state}"
         assert state["heat_range"] == zoomed, f"the heat map's zoom {zoomed} lost after {columns}: {state}"
         assert state["module"] == "encoder.blocks[1]" and state["url"] == "/modules", state
         assert state["scroll"] == bottom, f"scrolled from {bottom} after {seen}: {state}"

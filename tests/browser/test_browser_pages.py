@@ -157,7 +157,8 @@ def test_header_shows_step_and_status_while_nothing_changes(page, server_factory
         screenshot(page, "stalled")
     finally:
         writer.close()
-    wait_text(page, "step 4 · closed", "#run-status")
+    wait_text(page, "step 4 · finished", "#run-status")            # closed: said plainly, no live badge
+    assert page.find_element(By.ID, "mode-badge").text.lower() == "finished"
 
 
 def test_banner_while_store_writes_fail_and_after(page, server_factory, tmp_path):
@@ -190,7 +191,7 @@ def test_banner_while_store_writes_fail_and_after(page, server_factory, tmp_path
 def test_review_mode_header_shows_step_and_status(page, server_factory, demo_store):
     srv = server_factory(["--snapshot", str(demo_store / "modscope.sqlite")])
     page.get(srv.url)
-    wait_text(page, "step 39 · closed", "#run-status")
+    wait_text(page, "step 39 · finished", "#run-status")
 
 
 # -- runs and ranks ---------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def test_root_causes_fold_their_consequences(page, server_factory, tmp_path):
     srv = server_factory(["--snapshot", str(path)])
     page.get(srv.url)
     wait_text(page, "3 errors", "#ov-cards")
-    wait_text(page, "15 findings with their consequences", "#ov-cards")
+    wait_text(page, "3 root causes (3 errors) and 12 consequences", "#ov-cards")
     click(page, ".nav-link", "Findings")
     wait_text(page, "unregistered-module", "#findings-list")
     cards = page.find_elements(By.CSS_SELECTOR, "#findings-list > .finding")

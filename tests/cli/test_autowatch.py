@@ -105,7 +105,7 @@ def test_an_optimizer_that_stepped_once_is_watched_at_close(tmp_path):
     aw.close()
     assert len(aw.watchers) == 1 and aw.watchers[0].closed
     assert len(list((tmp_path / "runs").glob("modscope-*-rank0.sqlite"))) == 1
-    assert "modscope: Net: 0 errors" in out.getvalue()
+    assert "modscope: Net: no findings" in out.getvalue()
 
 
 def test_a_failure_in_discovery_is_one_line_and_training_goes_on(aw, monkeypatch):

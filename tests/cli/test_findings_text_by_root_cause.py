@@ -20,7 +20,7 @@ def test_consequences_are_lines_under_their_cause():
              finding("grad-accumulating", "warning", "blocks[0].weight", cause, first=2),
              finding("not-updating", "error", "gate", ("unregistered-tensor", "gate"))]   # its cause resolved
     assert format_text(found, "runs/x").splitlines() == [
-        "runs/x: 3 errors, 1 warning, 0 info (2 root causes)",
+        "runs/x: 2 root causes (2 errors) and 2 consequences",
         "error   unregistered-module  blocks[0]  (rank 0, steps 0-8)",
         "        unregistered-module message",
         "        fix: unregistered-module fix",
@@ -38,4 +38,4 @@ def test_a_cause_in_another_run_explains_nothing_here():
              finding("not-updating", "error", "blocks[0].weight", ("unregistered-module", "blocks[0]"), run="r2")]
     text = format_text(found, "runs/x")
     assert "explains" not in text and "caused by: unregistered-module at blocks[0]" in text
-    assert text.splitlines()[0] == "runs/x: 2 errors, 0 warnings, 0 info in 2 runs"
+    assert text.splitlines()[0] == "runs/x: 2 root causes (2 errors) in 2 runs"

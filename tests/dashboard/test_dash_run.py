@@ -420,7 +420,7 @@ def test_report_folds_consequences(tmp_path):
     synth_store.three_layers(tmp_path / "modscope.sqlite")
     text = build_report(source(tmp_path))
     assert text.count('<details class="consequences">') == 3 and text.count(">4 consequences<") == 3
-    assert "Findings (3 root causes, 15 in all)" in text and "seen 12 times, steps 3–40" in text
+    assert "Findings: 3 root causes (3 errors) and 12 consequences" in text and "seen 12 times, steps 3–40" in text
 
 
 # -- the pages over a run --------------------------------------------------------------------------------------

@@ -20,7 +20,17 @@ from dashboard.web.components import badge_specs, finding_badges
 from dashboard.web.config import AppConfig, Mode
 from dashboard.web.pages import modules as modules_page
 from dashboard.web.pages import page_at, pages_for
-from dashboard.web.poll import Tick, banner, duration_text, header_text, read_tick, reads_store
+from dashboard.web.poll import (
+    FINISHED_POLL_MS,
+    Tick,
+    banner,
+    duration_text,
+    header_text,
+    mode_badge,
+    poll_timing,
+    read_tick,
+    reads_store,
+)
 from dashboard.web.report import build_report
 from probes import schema
 
@@ -52,15 +62,16 @@ def test_app_config_names_the_bad_value(demo):
 
 def test_the_page_list_drives_navigation_and_routing(demo):
     live = pages_for(Mode.LIVE)
-    assert [(p.href, p.label) for p in live] == [("/", "Overview"), ("/modules", "Modules"), ("/findings", "Findings")]
-    assert [p.counts_findings for p in live] == [False, False, True]
+    assert [(p.href, p.label) for p in live] == [("/", "Overview"), ("/modules", "Modules"), ("/layers", "Layers"),
+                                                 ("/findings", "Findings")]
+    assert [p.counts_findings for p in live] == [False, False, False, True]
     assert page_at(live, "/modules").label == "Modules" and page_at(live, "/modules/x").label == "Modules"
     assert page_at(live, "/findings").label == "Findings"
     assert page_at(live, "/nothing").label == page_at(live, None).label == "Overview"
     assert [p.label for p in pages_for(Mode.COMPARE)] == ["Compare"]
     app = server.create_app(AppConfig(mode="review", store=demo))
     nav = server.nav(pages_for(Mode.REVIEW))
-    assert [link.href for link in nav.children] == ["/", "/modules", "/findings"]
+    assert [link.href for link in nav.children] == ["/", "/modules", "/layers", "/findings"]
     assert app.layout() is not None
 
 
@@ -80,7 +91,35 @@ def test_tick_of_a_run_not_written_yet_waits(tmp_path):
     assert tick.ready and tick.last_step == 2 and tick.status == "running"
     assert header_text(tick) == "step 2 · running" and banner(tick, config.store) == []
     st.close()
-    assert header_text(read_tick(config)) == "step 2 · closed"
+    assert header_text(read_tick(config)) == "step 2 · finished"
+
+
+def test_a_finished_run_says_so_and_stops_polling(tmp_path):
+    """While the run trains: "live", polled, and when the next full sample is due; once closed: "finished"
+    (no live badge), no poll of a run the user chose, a look for a new run every 10 s while following the newest."""
+    st = synth_store.demo(tmp_path / "run" / schema.store_filename("r1", 0), steps=3, live=True)
+    st.set_rank(next_sample=512, sampling='{"every": null, "overhead": 0.01, "window": 16}')
+    config = AppConfig(mode="live", store=Store.open_run(tmp_path / "run"), poll_ms=700)
+    tick = read_tick(config)
+    assert not tick.finished and tick.next_sample == "next full sample at step 512, 1 % budget"
+    assert header_text(tick) == "step 2 · running · next full sample at step 512, 1 % budget"
+    assert mode_badge(True, tick) == ("live", "mode mode-live")
+    assert poll_timing(True, tick, True, 700) == (False, 700)
+    st.set_rank(sampling='{"every": 10, "overhead": null, "window": 16}')
+    assert read_tick(config).next_sample == "next full sample at step 512, every 10 steps"
+    st.close()
+    tick = read_tick(config)
+    assert tick.finished and tick.next_sample == "" and header_text(tick) == "step 2 · finished"
+    assert mode_badge(True, tick) == ("finished", "mode mode-finished")
+    assert poll_timing(True, tick, False, 700) == (True, 700)                   # a run the user chose
+    assert poll_timing(True, tick, True, 700) == (False, FINISHED_POLL_MS)      # following the newest
+    layout = server.shell_layout(config, pages_for(Mode.LIVE))
+    interval = next(c for c in layout.children if getattr(c, "id", None) == "poll-interval")
+    assert interval.interval == FINISHED_POLL_MS
+    header = next(c for c in layout.children if getattr(c, "id", None) == "header")
+    subtitle = next(c for c in header.children if getattr(c, "className", None) == "subtitle")
+    badge = next(c for c in subtitle.children if getattr(c, "id", None) == "mode-badge")
+    assert (badge.children, badge.className) == ("finished", "mode mode-finished")
 
 
 def test_tick_of_a_bad_store_carries_its_error(tmp_path):
@@ -114,7 +153,7 @@ def test_header_says_stalled_or_ended(tmp_path):
 
 def test_review_mode_header_shows_step_and_recorded_status(demo):
     tick = read_tick(AppConfig(mode="review", store=demo))
-    assert header_text(tick) == "step 19 · closed"
+    assert header_text(tick) == "step 19 · finished"
 
 
 def test_banner_while_store_writes_fail_and_after(tmp_path):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import probes
+from probes import schema
 
 
 class Encoder(nn.Module):
@@ -45,16 +46,18 @@ def test_findings_show_root_causes_with_what_they_explain(tmp_path):
     codes = {f.code for f in found}
     assert {"unregistered-module", "not-updating", "grad-accumulating"} <= codes
     roots = [f for f in found if f.cause is None]
-    assert {f.path for f in roots if f.code == "unregistered-module"} == {"1.blocks[0]", "1.blocks[1]"}
+    assert {f.path for f in roots if f.code == "unregistered-module"} == {"1.blocks"}       # one list, one cause
     n = len(roots)
 
     p = Pretty()
     found._repr_pretty_(p, False)
     lines = p.out.splitlines()
-    errors, warnings = (sum(f.severity == s for f in found) for s in ("error", "warning"))
-    assert lines[0] == f"{len(found)} findings ({errors} errors, {warnings} warnings): {n} root causes"
-    i = lines.index(next(line for line in lines if line.startswith("[error] unregistered-module at 1.blocks[0]: ")))
-    assert "is held in a plain Python attribute/container" in lines[i]
+    # root causes first, then their consequences: as the dashboard and `modscope findings` count them
+    errors, warnings = (sum(f.severity == s for f in roots) for s in ("error", "warning"))
+    assert lines[0] == schema.count_text({"error": errors, "warning": warnings}, len(found) - n)
+    assert lines[0].startswith(f"{n} root causes (") and lines[0].endswith(f" and {len(found) - n} consequences")
+    i = lines.index(next(line for line in lines if line.startswith("[error] unregistered-module at 1.blocks: ")))
+    assert "are held in the plain Python list 1.blocks (1.blocks[0], 1.blocks[1])" in lines[i]
     assert lines[i + 1].startswith("    fix: Hold sub-modules in nn.ModuleList")
     assert "    explains [error] not-updating at 1.blocks[0].weight" in lines[i + 2:]
     assert "    explains [warning] grad-accumulating at 1.blocks[0].weight" in lines[i + 2:]

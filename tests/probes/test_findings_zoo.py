@@ -24,14 +24,21 @@ def test_plain_list_encoder_is_unregistered_not_updating_and_accumulating(run_di
         train(model, opt, w, 6, xor_batches())
         found = codes(w.findings(), "error")
         warnings = codes(w.findings(), "warning")
+    # the layers of one plain list: one root cause, at the list, naming its layers; the rest are its consequences
+    [unregistered] = [f for f in w.findings() if f.code == "unregistered-module"]
+    assert unregistered.path == "encoder.blocks" and unregistered.cause is None
+    assert unregistered.evidence["layers"] == [f"encoder.blocks[{i}]" for i in range(3)]
+    assert unregistered.evidence["parameter_tensors"] == 6 and unregistered.evidence["parameter_numbers"] == 816
     for i in range(3):
-        assert ("unregistered-module", f"encoder.blocks[{i}]") in found
         assert ("not-updating", f"encoder.blocks[{i}].weight") in found
         assert ("grad-accumulating", f"encoder.blocks[{i}].weight") in warnings
+    assert {f.cause for f in w.findings() if f.path.startswith("encoder.blocks[")} == \
+        {("unregistered-module", "encoder.blocks")}
     # the registered layers are healthy
     assert not any(p.startswith(("stem", "head")) for _, p in found)
-    msg = next(f for f in w.findings() if f.code == "unregistered-module").message
-    assert "optimizer" in msg and "state_dict()" in msg
+    msg = unregistered.message
+    assert "optimizer" in msg and "state_dict()" in msg and "plain Python list encoder.blocks" in msg
+    assert "encoder.blocks[0], encoder.blocks[1], encoder.blocks[2]" in msg
 
 
 def test_fixed_model_has_no_errors(run_dir):
@@ -50,7 +57,8 @@ def test_audit_adapter_model_matches_the_chapter():
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model.head = nn.Linear(32, 4)                 # re-initialised after the optimizer was built
     found = by_code(probes.audit(model, opt))
-    assert {f.path for f in found["unregistered-module"]} == {"adapters[0]", "adapters[1]"}
+    [adapters] = found["unregistered-module"]          # one plain list: one finding naming its two layers
+    assert (adapters.path, adapters.evidence["layers"]) == ("adapters", ["adapters[0]", "adapters[1]"])
     gate = found["unregistered-tensor"]
     assert [(f.path, f.severity) for f in gate] == [("gate", "error")]
     assert {f.path for f in found["not-in-optimizer"]} == {"head.weight", "head.bias"}

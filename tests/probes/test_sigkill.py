@@ -54,4 +54,4 @@ def test_sigkill_mid_run_keeps_every_committed_step(tmp_path):
     status = con.execute("SELECT status FROM ranks").fetchone()[0]
     assert status == "running"                        # it never closed: the store says so
     paths = {r[0] for r in con.execute("SELECT path FROM findings WHERE code='unregistered-module'")}
-    assert paths == {"encoder.blocks[0]", "encoder.blocks[1]", "encoder.blocks[2]"}
+    assert paths == {"encoder.blocks"}

@@ -150,7 +150,7 @@ def _assert_recovered(w):
     (write_errors, dropped), = rows(store, "SELECT write_errors, samples_dropped FROM ranks")
     assert write_errors >= 1 and dropped > 0
     active = {r[0] for r in rows(store, "SELECT path FROM findings WHERE code='unregistered-module' AND active=1")}
-    assert active == {"encoder.blocks[0]", "encoder.blocks[1]", "encoder.blocks[2]"}
+    assert active == {"encoder.blocks"}
     assert {r[0] for r in rows(store, "SELECT path FROM findings WHERE code='not-updating'")} >= {
         "encoder.blocks[0].weight"}
     assert rows(store, "SELECT status FROM ranks") == [("closed",)]

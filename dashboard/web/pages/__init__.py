@@ -12,7 +12,7 @@ from typing import Any
 from dash import Dash
 
 from ..config import AppConfig, Mode
-from . import compare, findings, modules, overview
+from . import compare, findings, layers, modules, overview
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ def pages_for(mode: Mode) -> tuple[Page, ...]:
         return (Page("/", "Compare", compare.layout, compare.register),)
     return (Page("/", "Overview", overview.layout, overview.register),
             Page("/modules", "Modules", modules.layout, modules.register),
+            Page("/layers", "Layers", layers.layout, layers.register),
             Page("/findings", "Findings", findings.layout, findings.register, counts_findings=True))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
-from probes.schema import Severity
+from probes.schema import Severity, count_text
 
 from .. import ids
 from ..components import finding_card, message, severity_of, severity_pill, toggled
@@ -59,9 +59,10 @@ def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show
         return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
     counts = {s: sum(1 for f in shown if severity_of(f["severity"]) is s) for s in Severity}
     folded = sum(len(f.get("consequences") or []) for f in shown)
+    # the one count (schema.count_text), as the Overview, the report and the command line say it
     out: list[Any] = [html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
-                                html.Span(f"root causes, {plural(folded, 'consequence')} folded under them",
-                                          className="muted") if folded else None],
+                                html.Span(count_text({str(s): n for s, n in counts.items()}, folded),
+                                          className="muted findings-count")],
                                className="sev-row findings-summary")]
     for f in shown[:MAX_SHOWN]:
         out.append(finding_card(f, show_ranks=show_ranks, opens_module=True, opened=opened))

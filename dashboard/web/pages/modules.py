@@ -40,6 +40,7 @@ from ..components import (
 )
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
+from . import param_history
 
 MAX_VISIBLE_ROWS = 2000
 MAX_INDENT = 200           # levels of indentation drawn (a deeper node is drawn at this depth)
@@ -90,6 +91,9 @@ def layout(config: AppConfig) -> html.Div:
                   for gid in (ids.DETAIL_ACT, ids.DETAIL_HEAT)],
             ], id=ids.DETAIL, className="charts", style=hidden()),
             html.Div(id=ids.DETAIL_PARAMS),
+            dcc.Graph(id=ids.DETAIL_PARAM_HISTORY, config=graph_config(), responsive=True,
+                      figure=figures.empty_figure(""), style={"width": "100%", "height": "460px"}),
+            dcc.Store(id=ids.DETAIL_PARAM_HISTORY_STATE, data=None),
             html.Div(id=ids.DETAIL_RANKS),
             html.Div(id=ids.DETAIL_FINDINGS),
             dcc.Store(id=ids.DETAIL_STATE, data=None),
@@ -484,6 +488,7 @@ def heat_update(fig: dict[str, Any], key: str, drawn: object) -> tuple[Any, Any]
 # -- callbacks ------------------------------------------------------------------------------------------
 def register(app: Dash, config: AppConfig) -> None:
     source = config.source
+    param_history.register(app, config, heat_update)        # each parameter's history, under its table
 
     @callback(app, Output(ids.TREE_FILTER, "options"), Input(ids.TICK, "data"))
     @reads_store(source, waiting=lambda _text: [])

@@ -11,14 +11,14 @@ from typing import Any
 from dash import Dash, Input, Output, Patch, State, dcc, html
 from dash.exceptions import PreventUpdate
 
-from probes.schema import ModuleKind, Severity, display_path
+from probes.schema import ModuleKind, Severity, count_text, display_path
 
 from ...read.shown_text import TITLE_MAX, clip
 from ...read.store import RunState
 from .. import figures, ids
 from ..components import card, consequences_text, details_key, message, name_span, severity_of, severity_pill, table
 from ..config import AppConfig
-from ..poll import Tick, callback, plural, reads_store, view_of
+from ..poll import FINISHED, Tick, callback, plural, reads_store, view_of
 
 TOP_FINDINGS = 6
 
@@ -44,10 +44,11 @@ def _when(ts: float | None) -> str | None:
     return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
 
 
-def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[html.Div]:
+def overview_cards(ov: Mapping[str, Any], status: str | None = None, samples: str = "") -> list[html.Div]:
     """The cards of the rank shown; the root causes are the run's (merged over its ranks). ``status``:
     the header's words for the writer (``Tick.status``: "running when copied" in a snapshot, "stalled:
-    …"); without it, the store's own status."""
+    …"); without it, the store's own status. ``samples``: what the steps hold ("12 full samples · 150
+    steps with dense series", and when the next full sample is due)."""
     roots = ov.get("root_causes") or ov["findings"]
     total = ov.get("findings_total", sum(ov["findings"].values()))
     mods = ov["modules"]
@@ -63,7 +64,7 @@ def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[htm
         card("Step", figures.fmt_num(ov.get("step")), plural(ov["steps_recorded"], "step") + " recorded"
              + (f" · updated {_when(ov['updated_at'])}" if ov.get("updated_at") else "")),
         card("Samples stored", figures.fmt_num(ov["samples_stored"]),
-             f"sampling {_sampling(ov.get('sampling'))}"),
+             (f"{samples} · " if samples else "") + f"sampling {_sampling(ov.get('sampling'))}", "samples"),
         card("Samples dropped", figures.fmt_num(dropped),
              (f"{plural(ov['write_errors'], 'failed commit')}" if ov.get("write_errors") else "queue full")
              if dropped else "none", "bad" if dropped else ""),
@@ -73,17 +74,20 @@ def overview_cards(ov: Mapping[str, Any], status: str | None = None) -> list[htm
         card("Modules", f"{mods[ModuleKind.REGISTERED]:,}", (f"{unreg:,} unregistered" if unreg else "all registered")
              + (f" · {ov['modules_removed']:,} removed during the run" if ov.get("modules_removed") else ""),
              "bad" if unreg else ""),
-        card("Parameters", figures.fmt_count(params.get("total")),
-             f"{figures.fmt_count(params.get('in_optimizer'))} in optimizer"
-             + (f" · {figures.fmt_count(params.get('unregistered'))} unregistered"
-                if params.get("unregistered") else "")),
+        # every parameter the forward uses: those model.parameters() misses (unregistered) counted, and named apart
+        card("Parameters", figures.fmt_count((params.get("total") or 0) + (params.get("unregistered") or 0)),
+             (f"{figures.fmt_count(params.get('total'))} registered · "
+              f"{figures.fmt_count(params.get('unregistered'))} unregistered (not in model.parameters()) · "
+              if params.get("unregistered") else "")
+             + f"{figures.fmt_count(params.get('in_optimizer'))} in optimizer",
+             "bad" if params.get("unregistered") else ""),
         html.Div([
             html.Div("Root causes", className="card-label"),
             html.Div([dcc.Link(severity_pill(s, plural(roots[s], s.value)), href="/findings", className="plain")
                       for s in Severity], className="card-value sev-row"),
-            html.Div(f"{plural(total, 'finding')} with their consequences"
+            html.Div(count_text(roots, total - sum(roots.values()))
                      + (f" · {plural(ov['rank_count'], 'rank')}" if ov.get("rank_count", 1) > 1 else ""),
-                     className="card-sub"),
+                     className="card-sub findings-count"),
         ], className="card wide"),
     ]
 
@@ -173,7 +177,9 @@ def register(app: Dash, config: AppConfig) -> None:
         store = run.at(rank)
         errs = store.probe_errors(rank) if ov["probe_errors"] else []
         rows = run.rank_rows() if ov["rank_count"] > 1 else []
-        return overview_cards(ov, tick.status), top_findings(roots), probe_errors_block(errs), rank_table(rows)
+        samples = " · ".join(x for x in (store.step_counts(rank).text(), tick.next_sample) if x)
+        status = FINISHED if tick.finished else tick.status
+        return overview_cards(ov, status, samples), top_findings(roots), probe_errors_block(errs), rank_table(rows)
 
     @callback(app, Output(ids.OV_LOSS, "figure"), Output(ids.OV_LOSS_STATE, "data"),
                   Input(ids.TICK, "data"), State(ids.OV_LOSS_STATE, "data"))

@@ -28,7 +28,7 @@ from .stale_optimizer_param import StaleOptimizerParam
 from .train_mode_under_no_grad import TrainModeUnderNoGrad
 from .train_step_in_eval_mode import TrainStepInEvalMode
 from .training_mode import TrainingModeKind, TrainingModeMismatch
-from .unregistered_module import UnregisteredModule
+from .unregistered_module import HeldModule, UnregisteredModule
 from .unregistered_tensor import UnregisteredTensor
 
 # The one list. Its order is the order causes are looked for: a consequence takes the first rule that explains it
@@ -41,9 +41,9 @@ RULES: tuple[type[Rule], ...] = (
 )
 
 __all__ = ["RULES", "CheckpointKeys", "DeadLayer", "DeadUnits", "EvalBuildsGraph", "Explains", "ForwardBypassed",
-           "FrozenParameter", "GradAccumulating", "LoadResult", "NoGradient", "NonFinite", "NonFiniteOrigin",
-           "NotInOptimizer", "NotUpdating", "RankDivergence", "RankStraggler", "Reads", "Relation", "Rule",
-           "Saturated", "SharedParameter", "StaleOptimizerParam", "Tensors", "TinyLearningRate",
+           "FrozenParameter", "GradAccumulating", "HeldModule", "LoadResult", "NoGradient", "NonFinite",
+           "NonFiniteOrigin", "NotInOptimizer", "NotUpdating", "RankDivergence", "RankStraggler", "Reads", "Relation",
+           "Rule", "Saturated", "SharedParameter", "StaleOptimizerParam", "Tensors", "TinyLearningRate",
            "TrainModeUnderNoGrad", "TrainStepInEvalMode", "TrainingModeKind", "TrainingModeMismatch",
            "UnregisteredModule", "UnregisteredTensor", "rule_for"]
 
