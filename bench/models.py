@@ -1,4 +1,4 @@
-"""Benchmark models: an MLP, a ResNet-style CNN (ReLU(inplace=True) + BatchNorm), a GPT-style
+"""Benchmark models: an MLP, a 6-layer tanh MLP, a ResNet-style CNN (ReLU(inplace=True) + BatchNorm), a GPT-style
 transformer (6 blocks, d=256, seq 128) and a Hugging Face GPT-2 built from a config."""
 from __future__ import annotations
 
@@ -18,6 +18,22 @@ class MLP(nn.Module):
             layers += [nn.Linear(d, hidden), nn.ReLU()]
             d = hidden
         self.net = nn.Sequential(*layers, nn.Linear(d, dout))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class TanhMLP(nn.Module):
+    """A plain deep MLP with tanh between its layers (as in makemore, part 3): ``layers`` Linear layers, the
+    hidden ones ``width`` wide."""
+
+    def __init__(self, din=256, width=256, layers=6, dout=10):
+        super().__init__()
+        mods, d = [], din
+        for _ in range(layers - 1):
+            mods += [nn.Linear(d, width), nn.Tanh()]
+            d = width
+        self.net = nn.Sequential(*mods, nn.Linear(d, dout))
 
     def forward(self, x):
         return self.net(x)
@@ -122,6 +138,9 @@ def registry(device: str = "cpu") -> dict[str, tuple[Callable, Callable, Callabl
     return {
         "mlp": (MLP, batch(lambda g: (torch.randn(256, 256, generator=g), torch.randint(0, 10, (256,), generator=g))),
                 F.cross_entropy),
+        # the 6-layer tanh MLP of the dense tier's benchmark (width 256, batch 128; trained with SGD there)
+        "tanh-mlp": (TanhMLP, batch(lambda g: (torch.randn(128, 256, generator=g),
+                                                torch.randint(0, 10, (128,), generator=g))), F.cross_entropy),
         "cnn": (ResNet, batch(lambda g: (torch.randn(16, 3, 32, 32, generator=g),
                                          torch.randint(0, 10, (16,), generator=g))), F.cross_entropy),
         "gpt": (GPT, batch(lambda g: (torch.randint(0, 512, (4, 128), generator=g),

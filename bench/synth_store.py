@@ -279,6 +279,19 @@ def big(path: Path, *, n_modules: int = 10000, steps: int = 20, fanout: int = 10
     return st
 
 
+def many_findings(path: Path, n: int) -> Path:
+    """A tree of ``n + 1`` modules with an active finding on each but the root (errors and warnings by turns)."""
+    st = big(path, n_modules=n + 1, steps=2, fanout=50, findings_every=10**9, keep_open=True)
+    st.conn.executemany(
+        "INSERT INTO findings (rank, code, path, severity, module_id, message, fix, evidence, first_step, last_step, "
+        "active, count) VALUES (0, ?, ?, ?, ?, 'synthetic', 'fix', '{}', 0, 1, 1, 1)",
+        [("dead-units" if m["module_id"] % 2 else "unregistered-module", m["path"],
+          "warning" if m["module_id"] % 2 else "error", m["module_id"]) for m in st.modules[1:n + 1]])
+    st.conn.commit()
+    st.close()
+    return path
+
+
 def two_ranks(path: Path) -> Path:
     """Rank 0: the demo; rank 1: a different tiny tree (two DDP ranks sharing one store)."""
     demo(path, steps=6)

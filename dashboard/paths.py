@@ -23,13 +23,3 @@ def demo_script() -> Path:
     """The demo training script that ``modscope demo`` (``python app.py``) runs."""
     packaged = PACKAGE / "demo_train.py"
     return packaged if packaged.is_file() else SOURCE_ROOT / "examples" / "demo_train.py"
-
-
-def source_checkout() -> Path | None:
-    """The checkout's root when the dashboard runs from one (not from an installed wheel): child
-    processes (``python -m probes.launch.autorun``, ``python -m dashboard.cli``) started from another
-    folder then need it on their ``PYTHONPATH``."""
-    root = SOURCE_ROOT
-    if (root / "pyproject.toml").is_file() and (root / "probes" / "__init__.py").is_file():
-        return root
-    return None

@@ -14,6 +14,7 @@ from torch import nn
 
 from .findings.finding import Finding, sort_findings
 from .findings.structural import structural_findings
+from .limits import check_dense, check_every, check_overhead, check_run_name, check_window
 from .model.structure import build_structure, normalize_optimizers, unwrap
 from .notebook import ipython_shell
 from .store.rundir import agree_run_id
@@ -30,9 +31,10 @@ _WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watcher]] = weakref.W
 _CELL_WATCHERS: dict[tuple[str, int], tuple[weakref.ref[Watcher], object]] = {}
 
 
-def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,
+# the public entry point: its options are keyword-only, each checked below, and gathered into WatchSettings
+def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike[str] | None = None,  # noqa: PLR0913
           every: int | None = None, overhead: float = 0.01, window: int = 16,
-          run_name: str | None = None, boundaries: str = "optimizer") -> Watcher:
+          run_name: str | None = None, boundaries: str = "optimizer", dense: bool | int = True) -> Watcher:
     """Watch ``model`` (and its optimizer or list of optimizers) and stream statistics to a store.
 
     Args:
@@ -41,13 +43,17 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
             without one, call ``w.step()`` once per step.
         run_dir: the run directory; default ``./runs/<run id>``. Every ``watch()`` is a run of its own, with
             its own store in the directory (``modscope-<run id>-rank<R>.sqlite``): earlier runs stay apart.
-        every: sample every N-th step. ``None`` (default) chooses the interval from the measured cost so
-            that the average overhead stays under ``overhead``.
-        overhead: overhead budget as a fraction of step time (default 0.01 = 1%).
-        window: sampled steps in the window of the dead-unit/constant-output detectors.
-        run_name: a name shown in the dashboard (default: the run directory's name).
+        every: sample every N-th step (1 to 1,000,000). ``None`` (default) chooses the interval from the measured
+            cost so that the average overhead stays under ``overhead``.
+        overhead: overhead budget as a fraction of step time, in (0, 1] (default 0.01 = 1%).
+        window: sampled steps in the window of the dead-unit/constant-output detectors (1 to 256).
+        run_name: a name shown in the dashboard (default: the run directory's name), printable, at most 200
+            characters.
         boundaries: ``"optimizer"`` (default): steps end at the watched optimizers' ``step()``.
             ``"external"``: a framework integration calls ``begin_optimizer_step()`` and ``end_step()``.
+        dense: the dense tier (every tensor's gradient and weight norm on steps between full samples). ``True``
+            (default): its interval is chosen within the budget (with ``every``: every step); ``False``: off;
+            ``N``: every N-th step.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}: {model!r:.80}")
@@ -55,17 +61,14 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         raise TypeError(f"model is a TorchScript module ({type(model).__qualname__}): PyTorch runs no hooks on it; "
                         "watch the nn.Module before torch.jit.script (a scripted submodule is fine)")
     optimizers = normalize_optimizers(optimizer)
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"every must be a positive int or None, got {every!r}")
-    if every is None and (isinstance(overhead, bool) or not isinstance(overhead, (int, float))
-                          or not 0 < overhead <= 1):
-        raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    check_every(every)
+    if every is None:
+        check_overhead(overhead)
+    check_window(window)
+    check_dense(dense)
     if boundaries not in tuple(Boundaries):
-        raise ValueError(f"boundaries must be one of {[str(b) for b in Boundaries]}, got {boundaries!r}")
-    if run_name is not None and not isinstance(run_name, str):
-        raise TypeError(f"run_name must be a str or None, got {type(run_name).__qualname__}: {run_name!r:.80}")
+        raise ValueError(f"boundaries must be one of {[str(b) for b in Boundaries]}, got {boundaries!r:.80}")
+    check_run_name(run_name)
     if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be a str, os.PathLike or None, got {type(run_dir).__qualname__}: "
                         f"{run_dir!r:.80}")
@@ -86,7 +89,7 @@ def watch(model: nn.Module, optimizer: Any = None, *, run_dir: str | os.PathLike
         close_cell_watcher(*site)
     watcher = Watcher(model, optimizers, run_dir, WatchSettings(
         run_id=run_id, run_name=run_name or run_dir.name, every=every, overhead=None if every else float(overhead),
-        window=window, rank=rank, world_size=world_size, boundaries=Boundaries(boundaries)))
+        window=window, rank=rank, world_size=world_size, boundaries=Boundaries(boundaries), dense=dense))
     _WATCHED[unwrap(model)] = weakref.ref(watcher)
     if site is not None:
         _CELL_WATCHERS[site[0]] = (weakref.ref(watcher), site[1])

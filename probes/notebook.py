@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,10 @@ from typing import Any
 
 __all__ = ["ipython_shell", "on_cell_end", "show", "stop_all"]
 
+TOKEN_ENV = "MODSCOPE_TOKEN"  # the dashboard's token, as dashboard/web/token_source.py reads it
+MIN_TOKEN_LENGTH = 16         # dashboard/web/security.py's rule: 16 or more URL-safe characters
+_TOKEN_CHARS = re.compile(r"^[A-Za-z0-9._~-]+$")
+MAX_HEIGHT = 10_000           # pixels of the frame
 START_TIMEOUT_S = 60.0        # how long show() waits for the dashboard to answer (a cold start imports Dash)
 DEFAULT_HEIGHT = 650
 
@@ -40,26 +45,32 @@ class _Server:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    token: str | None = None
 
 
 _servers: dict[str, _Server] = {}
 _lock = threading.Lock()
 
 
-def show(run: str | os.PathLike[str], *, height: int = DEFAULT_HEIGHT) -> str | None:
+def show(run: str | os.PathLike[str], *, height: int = DEFAULT_HEIGHT, token: str | None = None) -> str | None:
     """Serve the dashboard on ``run`` (a run directory, or one run's store file) and show it in
     the notebook's output; returns its URL (also printed), or None when the dashboard could not
-    start (one line says why, with its log)."""
+    start (one line says why, with its log). ``token`` (default: ``MODSCOPE_TOKEN`` from the environment, if set)
+    is required by the dashboard on every request: on a machine with other users. It reaches the dashboard's
+    process in its environment, never on its command line, and is in the URL shown."""
     if not isinstance(run, (str, os.PathLike)):
         raise TypeError(f"run must be a run directory or store file (str or os.PathLike), got "
                         f"{type(run).__qualname__}: {run!r:.80}")
-    if isinstance(height, bool) or not isinstance(height, int) or height < 100:
-        raise ValueError(f"height must be an int of at least 100 (pixels), got {height!r}")
+    check_height(height)
+    token = check_token(os.environ.get(TOKEN_ENV) or None if token is None else token)
     key = str(Path(run).resolve())
     with _lock:
         server = _servers.get(key)
+        if server is not None and server.token != token:
+            _stop(server)                # the same run with another token: a new server
+            server = None
         if server is None or server.proc.poll() is not None:
-            server = _start(Path(key))
+            server = _start(Path(key), token)
             if server is None:
                 return None
             _servers[key] = server
@@ -68,19 +79,39 @@ def show(run: str | os.PathLike[str], *, height: int = DEFAULT_HEIGHT) -> str | 
     return server.url
 
 
+def check_height(height: object) -> None:
+    if isinstance(height, bool) or not isinstance(height, int) or not 100 <= height <= MAX_HEIGHT:
+        raise ValueError(f"height must be an int from 100 to {MAX_HEIGHT:,} (pixels), got {height!r:.80}")
+
+
+def check_token(token: object) -> str | None:
+    """The token (or None) when the dashboard can use it, else ValueError naming its length, never the token."""
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str or None, got {type(token).__qualname__}")
+    if len(token) < MIN_TOKEN_LENGTH or not _TOKEN_CHARS.match(token):
+        raise ValueError(f"token: {len(token)} characters; expected at least {MIN_TOKEN_LENGTH} of A-Z a-z 0-9 - _ . ~")
+    return token
+
+
 def stop_all() -> None:
     """Stop every dashboard this kernel started (also done at exit)."""
     with _lock:
         servers = list(_servers.values())
         _servers.clear()
     for s in servers:
-        if s.proc.poll() is None:
-            s.proc.terminate()
-            try:
-                s.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait(5)
+        _stop(s)
+
+
+def _stop(s: _Server) -> None:
+    if s.proc.poll() is None:
+        s.proc.terminate()
+        try:
+            s.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(5)
 
 
 atexit.register(stop_all)
@@ -127,13 +158,23 @@ def _free_port() -> int:
         return port
 
 
-def _child_env() -> dict[str, str]:
-    """From a checkout, the dashboard is importable only with the checkout on its path."""
+def _child_env(token: str | None) -> dict[str, str]:
+    """This environment, the token (if any) in ``MODSCOPE_TOKEN`` and nowhere else."""
     env = dict(os.environ)
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file() and (root / "dashboard" / "cli.py").is_file():
-        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop(TOKEN_ENV, None)
+    if token:
+        env[TOKEN_ENV] = token
     return env
+
+
+def _dashboard_command(args: list[str]) -> list[str]:
+    """``python -c BOOT ARGS`` running ``dashboard.cli``: modscope's own packages first on the path (the kernel's
+    working folder, which ``python -m`` would put first, may hold a ``dashboard/`` or an ``argparse.py`` of the
+    user's; dashboard/commands/children.py does the same for ``modscope run``)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    boot = (f"import sys; sys.path[0:0 if getattr(sys.flags, 'safe_path', False) else 1] = [{root!r}]; "
+            "from dashboard.cli import main; sys.exit(main())")
+    return [sys.executable, "-c", boot, *args]
 
 
 def _answers(url: str) -> bool:
@@ -146,17 +187,16 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _start(run: Path) -> _Server | None:
+def _start(run: Path, token: str | None) -> _Server | None:
     for _ in range(3):                   # a port taken between the check and the bind: another one
         port = _free_port()
         fd, log_name = tempfile.mkstemp(prefix="modscope-dashboard-", suffix=".log")
         log = Path(log_name)
-        cmd = [sys.executable, "-m", "dashboard.cli", "serve", "--run", str(run), "--host", "127.0.0.1",
-               "--port", str(port)]
+        cmd = _dashboard_command(["serve", "--run", str(run), "--host", "127.0.0.1", "--port", str(port)])
         try:
             # its own session: interrupting the kernel (SIGINT to its process group) leaves it up
             proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_child_env(), start_new_session=True)
+                                    env=_child_env(token), start_new_session=True)
         except OSError as exc:
             print(f"modscope: cannot start the dashboard: {exc}", file=sys.stderr)
             return None
@@ -166,7 +206,7 @@ def _start(run: Path) -> _Server | None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None:
             if _answers(url):
-                return _Server(proc, url, log)
+                return _Server(proc, url + (f"?token={token}" if token else ""), log, token)
             time.sleep(0.2)
         if proc.poll() is None:
             proc.kill()

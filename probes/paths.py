@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["ROOT_DISPLAY", "attr_path", "display_path", "item_path", "key_path", "member_path",
-           "module_path_candidates", "normalize_path", "runtime_label"]
+           "module_path_candidates", "normalize_path", "printable", "runtime_label"]
 
 ROOT_DISPLAY = "<root>"
 
@@ -18,6 +18,17 @@ ROOT_DISPLAY = "<root>"
 def display_path(path: str) -> str:
     """A path as shown to people: the root (``""``) is ``<root>``."""
     return path or ROOT_DISPLAY
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: what is not printable (control characters such as ESC, which could move the cursor,
+    recolour or retitle the terminal; bidirectional overrides; line separators) escaped as ``\\xNN`` / ``\\uNNNN``.
+    Module names, paths and messages come from the user's model and from store files of others."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else
+                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000
+                   else f"\\U{ord(c):08x}" for c in text)
 
 
 def attr_path(prefix: str, name: str) -> str:

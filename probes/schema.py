@@ -36,6 +36,7 @@ from .paths import (
     member_path,
     module_path_candidates,
     normalize_path,
+    printable,
     runtime_label,
 )
 from .state_dict_keys import KeyPrefix, key_prefix
@@ -56,7 +57,8 @@ __all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST
            "WriterState", "WriterStatus", "attr_path", "code_label", "contract_columns", "count_text", "decode_hist",
            "display_path", "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path",
            "key_prefix", "member_path", "module_path_candidates", "normalize_path", "overhead_option",
-           "parse_store_filename", "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
+           "parse_store_filename", "printable", "read_status", "runtime_label", "snapshot", "status_path",
+           "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -112,8 +114,12 @@ def _option(text: str, convert: Callable[[str], _N], ok: Callable[[_N], bool], e
     return value
 
 
+MAX_EVERY = 1_000_000         # the longest sampling interval (probes/limits.py: watch()'s other limits)
+
+
 def every_option(text: str) -> int:
-    return _option(text, int, lambda v: v >= 1, "a positive integer (sample every N-th step)")
+    return _option(text, int, lambda v: 1 <= v <= MAX_EVERY, f"an integer from 1 to {MAX_EVERY:,} "
+                   "(sample every N-th step)")
 
 
 def overhead_option(text: str) -> float:
@@ -464,13 +470,13 @@ CREATE TABLE IF NOT EXISTS param_stats (
 CREATE INDEX IF NOT EXISTS param_stats_by_step ON param_stats(rank, step);
 CREATE TABLE IF NOT EXISTS param_series (
     -- v5: the dense tier. Cheap per-tensor norms taken on steps that are not full samples (one fused device
-    -- reduction per step, read back with the next full sample or at close). A full sample's own values are in
-    -- param_stats at its step: a parameter's series is the union of both.
+    -- reduction per step, read back with the next full sample, a copy of their own, or at close). A full
+    -- sample's own values are in param_stats at its step: a parameter's series is the union of both.
     rank      INTEGER NOT NULL,
     param_id  INTEGER NOT NULL,
     step      INTEGER NOT NULL,
     grad_norm REAL,                  -- at the optimizer step, unscaled, as param_stats.grad_norm; NULL: no .grad
-    data_norm REAL,                  -- the weight's norm after the optimizer step, as param_stats.data_norm
+    data_norm REAL,                  -- the weight's norm at the optimizer step (before it), as param_stats.data_norm
     PRIMARY KEY (rank, param_id, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS param_series_by_step ON param_series(rank, step);

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sqlite3
+import stat
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -289,13 +290,13 @@ def copy_stores(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLi
     if dest.is_dir():
         raise UntrustedStoreError(f"snapshot path {str(dest)!r} is a directory; expected a file path")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".partial")
-    tmp.unlink(missing_ok=True)
+    tmp, fd = _create_partial(dest)
     deadline = time.monotonic() + timeout_s
     current = paths[0]
     try:
         dst = sqlite3.connect(str(tmp), isolation_level=None)
         try:
+            _check_opened(dst, tmp, fd)
             bound_time(dst, deadline)
             dst.execute("PRAGMA journal_mode=OFF")       # a new file, renamed into place only when complete
             dst.execute("PRAGMA synchronous=OFF")
@@ -318,7 +319,7 @@ def copy_stores(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLi
             dst.close()
         os.replace(tmp, dest)
     except sqlite3.Error as exc:
-        tmp.unlink(missing_ok=True)
+        _remove_partial(tmp, fd)
         text = " ".join(str(exc).split())
         if "interrupted" in text:
             raise UntrustedStoreError(f"{current}: the snapshot took longer than {timeout_s:g} s; stopped") from None
@@ -326,6 +327,69 @@ def copy_stores(sources: Sequence[str | os.PathLike[str]], dest: str | os.PathLi
             text = f"holds a string or blob longer than {MAX_VALUE_BYTES:,} bytes (modscope writes none)"
         raise UntrustedStoreError(f"{current}: cannot copy ({text})") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_partial(tmp, fd)
         raise
+    finally:
+        os.close(fd)
     return dest
+
+
+# The snapshot is written beside ``dest``, in a folder others may be able to write to (a shared run directory):
+# its temporary file is created here, never through a link planted at its name. (probes/store/run_files.py does
+# the same for the writer's files; this module is loaded by the dashboard, which imports nothing else of probes.)
+_NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _left_by_a_snapshot(st: os.stat_result) -> bool:
+    """A regular file of this user with one link: what a stopped snapshot of this user leaves."""
+    return (stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+            and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid()))
+
+
+def _create_partial(dest: Path) -> tuple[Path, int]:
+    """``<dest>.partial``, created by this call (``O_CREAT | O_EXCL | O_NOFOLLOW``), and its descriptor. One that a
+    stopped snapshot left is replaced; anything else there (a link, a pipe, another user's file) is left as it is
+    and the snapshot refused with one line."""
+    tmp = dest.with_name(dest.name + ".partial")
+    for _ in range(3):
+        try:
+            return tmp, os.open(tmp, _NEW_FILE, 0o644)
+        except FileExistsError:
+            pass
+        try:
+            st = os.lstat(tmp)
+        except FileNotFoundError:
+            continue
+        if not _left_by_a_snapshot(st):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a file this snapshot may replace"
+            raise UntrustedStoreError(f"{tmp}: {what}; a snapshot is written to a file it creates itself and never "
+                                      "through a link (another user may have put it there): remove it, or write "
+                                      "the snapshot elsewhere")
+        os.unlink(tmp)
+    raise UntrustedStoreError(f"{tmp}: keeps appearing; write the snapshot elsewhere")
+
+
+def _check_opened(dst: sqlite3.Connection, tmp: Path, fd: int) -> None:
+    """The file SQLite opened is the one created at ``tmp`` (not a link swapped in since: SQLite resolves a link
+    in a database's name, and ``PRAGMA database_list`` names the file it opened)."""
+    row = dst.execute("PRAGMA database_list").fetchone()
+    opened = row[2] if row is not None else ""
+    try:
+        here, made = os.lstat(tmp), os.fstat(fd)
+        same = (opened == os.path.realpath(tmp) and not stat.S_ISLNK(here.st_mode)
+                and (here.st_dev, here.st_ino) == (made.st_dev, made.st_ino))
+    except OSError:
+        same = False
+    if not same:
+        raise UntrustedStoreError(f"{tmp}: was replaced while the snapshot opened it (SQLite opened "
+                                  f"{opened or 'another file'}); write the snapshot elsewhere")
+
+
+def _remove_partial(tmp: Path, fd: int) -> None:
+    """Remove ``tmp`` if it is still the file this snapshot created (never what took its name since)."""
+    try:
+        here, made = os.lstat(tmp), os.fstat(fd)
+        if (here.st_dev, here.st_ino) == (made.st_dev, made.st_ino) and not stat.S_ISLNK(here.st_mode):
+            os.unlink(tmp)
+    except OSError:
+        pass

@@ -38,6 +38,7 @@ from .capture.replicas import close_values
 from .capture.sampling import SamplingPolicy
 from .capture.sentinels import RootSentinel
 from .capture.step import StepCapture
+from .capture.tiers import StepTiers
 from .findings.evaluation import Evaluator
 from .findings.finding import Finding
 from .findings.loop_checks import LoopChecks
@@ -45,6 +46,7 @@ from .findings.structural import structural_findings
 from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
 from .model.runtime import RuntimeModules
 from .model.structure import ModuleNode, compiled_modules, model_device, unwrap
+from .model.tensors import reads_free
 from .schema import RunStatus, StrEnum, count_text, display_path
 from .store import records
 from .store.records import Op
@@ -89,6 +91,14 @@ class WatchSettings:
     rank: int = 0
     world_size: int = 1
     boundaries: Boundaries = Boundaries.OPTIMIZER
+    dense: bool | int = True          # the dense tier: chosen within the budget, off, or every N-th step
+
+
+def sampling_policy(settings: WatchSettings, model: nn.Module) -> SamplingPolicy:
+    """The schedule of the full samples and the dense tier: rank 0 chooses it, the other ranks follow."""
+    return SamplingPolicy(settings.every, settings.overhead, interval_channel(settings.run_id, settings.world_size),
+                          leader=settings.rank == 0, dense=settings.dense,
+                          host_timed=reads_free(torch.device(model_device(model))))
 
 
 class Watcher:
@@ -97,7 +107,7 @@ class Watcher:
     def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], run_dir: Path,
                  settings: WatchSettings) -> None:
         run_id, every, overhead, window = settings.run_id, settings.every, settings.overhead, settings.window
-        rank, world_size, run_name = settings.rank, settings.world_size, settings.run_name
+        rank, world_size, run_name, dense = settings.rank, settings.world_size, settings.run_name, settings.dense
         self.settings = settings
         self.files = RunFiles(run_dir, run_id, rank)
         self.run_dir = run_dir
@@ -112,7 +122,7 @@ class Watcher:
         self._closed = False
         self._close_lock = threading.Lock()
         self._probe = ProbeRuntime()
-        self._policy = SamplingPolicy(every, overhead, interval_channel(run_id, world_size), leader=rank == 0)
+        self._policy = sampling_policy(settings, model)
         self._evaluator = Evaluator(rank, window)
         self._ids = IdRegistry()
         self._presence = Presence()                   # what the store holds as the model now, and what left it
@@ -134,9 +144,10 @@ class Watcher:
         self._store = StoreSession(self.files, run_name=run_name, world_size=world_size,
                                    model_class=f"{type(user_model).__module__}.{type(user_model).__qualname__}",
                                    device=model_device(model),
-                                   sampling={"every": every, "overhead": overhead, "window": window})
+                                   sampling={"every": every, "overhead": overhead, "window": window, "dense": dense})
         self._writer = self._store.writer
         self._losses = LossRecorder(rank, self._writer.submit, self._evaluator.loss)
+        self._tiers = StepTiers(self._policy, self._probe, rank, self._writer.submit, self._store.series_taken)
         self._index: ModelIndex = self._rebuild(model)
         self._sentinel.attach(model, user_model)
         if self._clock is not None:
@@ -152,8 +163,7 @@ class Watcher:
         # next optimizer step, and Python's garbage collector paused (GcPause) with it: resumed after each cell
         from .notebook import on_cell_end
         self._cell_end = on_cell_end(_gc_resumer(self))
-        if self._policy.should_sample(0):
-            self._capture.arm(self._index)
+        self._tiers.begin(0, self._capture.arm, self._index)
 
     # ===================================================================== public API
     @property
@@ -189,10 +199,11 @@ class Watcher:
             return
         self._gradients_final(index)
 
-    def _gradients_final(self, index: int) -> None:
+    def _gradients_final(self, index: int, where: str = "optimizer-begin") -> None:
         if self._closed or self._capture.record is None:
+            self._tiers.take_optimizer(self._probe.step, self._index, index)      # on a dense step
             return
-        with self._probe.guard("optimizer-begin"):
+        with self._probe.guard(where):
             self._capture.before_optimizer_step(index, self._optimizers[index])
 
     def end_step(self, loss: Any = None) -> None:
@@ -237,6 +248,7 @@ class Watcher:
             if threading.get_ident() == self._thread:
                 self._complete_unread(force=True)
                 self._preview_step()
+                self._tiers.flush()
             self._losses.flush()
             self._write_counters()
             self._writer.flush()
@@ -265,6 +277,7 @@ class Watcher:
                 h.remove()
             self._opt_handles.clear()
             self._losses.flush()
+            self._tiers.close()
             # the step in progress ends here: a forward after the last optimizer step is evaluated too
             self._observe_forwards(self._probe.step)
             if self._evaluator.changed:
@@ -291,12 +304,13 @@ class Watcher:
             self._losses.pending.clear()
             measure.release_caches()
 
-    def show(self, *, height: int = 650) -> str | None:
+    def show(self, *, height: int = 650, token: str | None = None) -> str | None:
         """Show this run's live dashboard inline in a Jupyter notebook and print its URL (see
-        :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1). Calling it again
-        shows the same server again. Returns the URL, or None when the dashboard could not start."""
+        :func:`probes.show`: the dashboard is a process of its own, on 127.0.0.1; ``token``, default
+        ``MODSCOPE_TOKEN``, is required on every request). Calling it again shows the same server again.
+        Returns the URL, or None when the dashboard could not start."""
         from .notebook import show
-        return show(self.store_path, height=height)
+        return show(self.store_path, height=height, token=token)
 
     @property
     def closed(self) -> bool:
@@ -366,11 +380,11 @@ class Watcher:
             with self._probe.guard("step-boundary"):
                 self._end_step()
         wrapped = None
+        taking = self._capture.record is not None or self._tiers.armed     # a full sample, or a dense step
         with self._probe.guard("optimizer-closure"):          # a closure says when its gradients are final
-            wrapped = self._closures.step_begins(opt_index, args, kwargs, self._capture.record is not None)
-        if wrapped is None and not self._external and self._capture.record is not None:
-            with self._probe.guard("optimizer-pre-hook"):     # an integration says when the gradients are final
-                self._capture.before_optimizer_step(opt_index, optimizer)
+            wrapped = self._closures.step_begins(opt_index, args, kwargs, taking)
+        if wrapped is None and not self._external:             # no closure: final now (external: the integration says)
+            self._gradients_final(opt_index, "optimizer-pre-hook")
         return wrapped
 
     def _on_opt_post(self, opt_index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -403,6 +417,7 @@ class Watcher:
         if sampled:
             with self._probe.guard("finish-sample"):     # whatever fails here, the step still ends cleanly
                 self._finish_sample(step)
+        dense_ms = self._tiers.end_step(step, self._index, bool(self._optimizers))
         t_done = time.perf_counter()
         # the step's wall time as training sees it, finishing work included (the budget compares sampled
         # with unsampled steps); the probe's own time: hooks during the step plus finishing
@@ -411,7 +426,7 @@ class Watcher:
         if self._evaluator.changed:               # an event on a step whose sample is not read yet (or unsampled)
             with self._probe.guard("step-sentinels"):
                 self._publish(step, sampled=False)
-        self._policy.observe(step, step_ms, probe_ms, sampled)
+        self._policy.observe(step, step_ms, probe_ms, sampled, dense_ms)
         self._writer.submit([records.step_op(self.rank, step, time.time(), step_ms, probe_ms, sampled, compute_ms)])
         if sampled or self._store.counters_due(self._probe.errors):
             self._write_counters(last_step=step)
@@ -419,14 +434,13 @@ class Watcher:
         self._capture.detach()
         self._probe.gc.resume()                     # after the step's records became garbage, not before
         self._probe.start_step(step + 1)
-        if self._policy.should_sample(step + 1):
-            self._capture.arm(self._index)
+        self._tiers.begin(step + 1, self._capture.arm, self._index)
         self._probe.step_t0 = time.perf_counter()
 
     def _finish_sample(self, step: int) -> None:
         rec = self._capture.finish()
         loss_slots = [(s, rec.measurements.add(v.reshape(-1)[:1])) for s, v in self._losses.take_pending()]
-        fetch = rec.measurements.start_fetch()      # the one host copy of this step
+        fetch = self._tiers.start_fetch(rec.measurements)      # the one host copy of this step
         release_outputs(rec)
         self._capture.learn_in_place(rec.measurements.changed_keys)
         if fetch.deferred:
@@ -446,7 +460,7 @@ class Watcher:
 
     def _read_sample(self, step: int, rec: StepRecord, fetch: PendingFetch,
                      loss_slots: list[tuple[int, int]]) -> None:
-        values = fetch.read(self._activity, self._sample_index)
+        values = self._tiers.read(fetch, self._activity, self._sample_index)
         self._losses.read([(s, values[slot][0]) for s, slot in loss_slots])
         self._sample_index += 1
         self._store.sampled(step)
@@ -489,7 +503,7 @@ class Watcher:
         return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
                 *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
                 *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
-                *self._evaluator.tracker.rewrite_ops(step)]
+                *self._evaluator.tracker.rewrite_ops(step), self._tiers.next_sample_op()]
 
 
 class FindingList(list[Finding]):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
     """The writer's last health report for the store at ``store_path``, or None (no report, or one that
     cannot be read: a status is advice, never a reason to refuse a store)."""
     try:
-        doc = json.loads(status_path(store_path).read_bytes()[:STATUS_BYTES].decode().strip() or "null")
+        doc = json.loads(_read_regular(status_path(store_path), STATUS_BYTES).decode().strip() or "null")
         return WriterStatus(state=WriterState(doc["state"]), updated_at=float(doc["updated_at"]),
                             failing_since=doc.get("failing_since"), error=doc.get("error"),
                             failed_commits=int(doc.get("failed_commits") or 0),
@@ -61,3 +62,13 @@ def read_status(store_path: str | os.PathLike[str]) -> WriterStatus | None:
         return None
 
 
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file, never through a link nor blocking on a pipe (a name in a shared
+    run directory may be anything): OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)

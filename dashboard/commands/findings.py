@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.schema import SEVERITY_ORDER, Severity, count_text, display_path
+from probes.schema import SEVERITY_ORDER, Severity, count_text, display_path, printable
 
+from ..read.caps import FindingsCap, findings_cap
 from ..read.run import Run, RunDir, merge_findings
 from ..read.run_folders import run_folders, run_folders_text
 from ..read.store import StoreError
+from .args import ABOUT, Parser, check_store_target, fail
 
 LEVELS = tuple(str(s) for s in SEVERITY_ORDER)          # error, warning, info: worst first
 
@@ -96,6 +99,23 @@ def _as_json(f: Mapping[str, Any], run_id: str) -> dict[str, Any]:
             "cause": cause, "run": run_id}
 
 
+def cap_notes(runs: Sequence[Run], rank: int | None = None) -> list[str]:
+    """One line per run whose findings were more than a read takes (caps.py): how many more there were."""
+    notes = []
+    try:
+        for run in runs:
+            cap = findings_cap(run)
+            if cap is not None and rank is not None:
+                cap = FindingsCap(cap.limit, {r: n for r, n in cap.totals.items() if r == rank}) \
+                    if rank in cap.totals else None
+            if cap is not None:
+                notes.append(printable(f"{cap.text()}" + (f" (run {run.run_id() or run.label_id()})"
+                                                            if len(runs) > 1 else "")))
+    except StoreError as exc:
+        raise FindingsError(str(exc)) from None
+    return notes
+
+
 def exit_status(findings: Iterable[dict[str, Any]], fail_on: str | None) -> int:
     """1 when a finding at ``fail_on`` or worse exists (``error`` < ``warning`` < ``info``), else 0."""
     if fail_on is None:
@@ -108,11 +128,11 @@ def format_json(findings: Sequence[dict[str, Any]]) -> str:
     return json.dumps(list(findings), indent=2)
 
 
-def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
+def format_text(findings: Sequence[dict[str, Any]], where: str, notes: Sequence[str] = ()) -> str:
     """One block per root cause (severity, code, path, ranks and steps; the message; the fix), with one line
     per finding it explains under it (the layers of a plain list do not update *because* they are
     unregistered: the fix is the cause's), after a one-line count (``schema.count_text``: root causes by
-    severity, then the consequences)."""
+    severity, then the consequences) and the ``notes`` (cap_notes)."""
     runs = sorted({f["run"] for f in findings})
     keys = {(f["run"], f["code"], f["path"]) for f in findings}
 
@@ -130,6 +150,7 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
     lines = [f"{where}: {head}" + (f" in {len(runs)} runs" if len(runs) > 1 else "")]
     if not findings:
         lines[0] = f"{where}: no active findings"
+    lines += [f"note: {n}" for n in notes]
 
     def span(f: Mapping[str, Any]) -> str:
         steps = f["steps"]
@@ -148,4 +169,31 @@ def format_text(findings: Sequence[dict[str, Any]], where: str) -> str:
         for c in explained.get((f["run"], f["code"], f["path"]), []):
             lines.append(f"        explains: {c['severity']} {c['code']}  {display_path(c['path'])}"
                          f"{'  (' + span(c) + ')' if span(c) else ''}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)      # names and messages are the model's, or a store's
+
+
+def findings_main(argv: Sequence[str], prog: str = "modscope") -> int:
+    """Print the active findings; 1 when one at ``--fail-on`` or worse exists, 2 when the store
+    cannot be read."""
+    p = Parser(prog=f"{prog} findings", description=ABOUT["findings"])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory (every run in it) or one store file")
+    src.add_argument("--snapshot", metavar="FILE", help="a snapshot file")
+    p.add_argument("--rank", type=int, default=None, help="only this rank (default: every rank, merged)")
+    p.add_argument("--json", action="store_true", help="a JSON list of objects (code, severity, path, message, "
+                                                       "fix, ranks, steps, cause, run)")
+    p.add_argument("--fail-on", choices=LEVELS, default=None, metavar="LEVEL",
+                   help="exit 1 when a finding at LEVEL (error, warning or info) or worse exists")
+    args = p.parse_args(list(argv))
+    for option, value in (("--run", args.run), ("--snapshot", args.snapshot)):
+        if value is not None:
+            check_store_target(option, value)
+    try:
+        runs = open_runs(run=args.run, snapshot=args.snapshot)
+        found, notes = collect(runs, rank=args.rank), cap_notes(runs, rank=args.rank)
+    except FindingsError as exc:
+        fail(str(exc))
+    print(format_json(found) if args.json else format_text(found, str(args.run or args.snapshot), notes))
+    if args.json and notes:
+        print("\n".join(f"modscope: note: {n}" for n in notes), file=sys.stderr)     # stdout stays JSON
+    return exit_status(found, args.fail_on)

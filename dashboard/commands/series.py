@@ -13,8 +13,8 @@ from typing import NoReturn
 
 
 def parser(prog: str, make: Callable[..., argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    from ..cli import ABOUT, COMMANDS
     from ..read.series import METRICS
+    from .args import ABOUT, COMMANDS
 
     p = make(prog=f"{prog} series", usage=f"{prog} series {COMMANDS['series']}", description=ABOUT["series"],
              epilog="metrics: " + "; ".join(f"{m.name} ({m.doc})" for m in METRICS.values()))
@@ -30,9 +30,10 @@ def parser(prog: str, make: Callable[..., argparse.ArgumentParser]) -> argparse.
 def series_main(argv: Sequence[str], prog: str, make: Callable[..., argparse.ArgumentParser],
                 fail: Callable[[str], NoReturn]) -> int:
     """Parse, read, write; ``make`` builds the command line's parser and ``fail`` exits 2 with one line."""
-    from ..cli import check_output_not_read, check_store_target
     from ..read.series import COLUMNS, MetricError, metric_spec, open_run, run_frame
     from ..read.store import StoreError
+    from .args import check_store_target
+    from .export import check_output_not_read
 
     args = parser(prog, make).parse_args(list(argv))
     try:

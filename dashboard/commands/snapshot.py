@@ -53,9 +53,9 @@ def output_problem(output: Path, sources: Sequence[Path]) -> str | None:
 def run_snapshot(args: argparse.Namespace) -> str:
     """Write the snapshot ``args`` asks for; returns the line to print. Raises SystemExit(2) (one line) on any
     problem (``dashboard.cli.fail``)."""
-    from ..cli import check_store_target, fail
     from ..read.run import as_run_dir
     from ..read.store import Store, StoreError, snapshot_to
+    from .args import check_store_target, fail
 
     option, target = ("--run", args.run) if args.run is not None else ("--snapshot", args.snapshot)
     check_store_target(option, target)

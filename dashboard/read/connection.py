@@ -54,6 +54,9 @@ MAX_CHILDREN = 500          # children of one expanded node
 MAX_SEARCH = 200            # search / filter results
 
 
+MAX_DEPTH = 2048            # levels walked up the module tree (in SQL; torch itself nests about 1,000 at most)
+
+
 MAX_FINDINGS = 2000
 
 

@@ -9,7 +9,7 @@ from probes.schema import (
     Severity,
 )
 
-from .connection import MAX_FINDINGS, Row, _int, _loads, _severity_order_sql, severity_rank
+from .connection import MAX_DEPTH, MAX_FINDINGS, Row, _int, _loads, _severity_order_sql, severity_rank
 from .module_queries import ModuleQueries
 
 
@@ -43,9 +43,9 @@ class FindingQueries(ModuleQueries):
             "  ON m0.rank = f.rank AND m0.module_id = f.module_id"
             f"  WHERE f.rank = ? AND f.active = 1 AND {self._current('modules', 'm0')}"
             " UNION ALL SELECT m.parent_id, up.sev, up.lvl + 1 FROM up JOIN modules m"
-            "  ON m.rank = ? AND m.module_id = up.id WHERE m.parent_id IS NOT NULL AND up.lvl < 256)"
+            "  ON m.rank = ? AND m.module_id = up.id WHERE m.parent_id IS NOT NULL AND up.lvl < ?)"
             " SELECT id, sev, COUNT(*) AS n FROM up GROUP BY id, sev LIMIT 100000",
-            (rank, rank), limit=100000)
+            (rank, rank, MAX_DEPTH), limit=100000)
         out: dict[int, dict[str, int]] = {}
         for r in rows:
             out.setdefault(int(r["id"]), {})[str(r["sev"])] = int(r["n"])
@@ -93,6 +93,12 @@ class FindingQueries(ModuleQueries):
             d["evidence"] = _loads(d["evidence"], d["evidence"])
             out.append(d)
         return out
+
+    def count_findings(self, rank: int = 0, *, active: bool | None = True) -> int:
+        """How many findings ``rank`` holds (``findings`` reads ``MAX_FINDINGS`` at most: caps.py says the rest)."""
+        row = self._one("SELECT COUNT(*) AS n FROM findings WHERE rank = ?" + ("" if active is None else
+                        " AND active = ?"), (rank,) if active is None else (rank, 1 if active else 0))
+        return int(row["n"]) if row is not None else 0
 
     def finding_codes(self, rank: int = 0) -> list[str]:
         return [str(r["code"]) for r in self._query(

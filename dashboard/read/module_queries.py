@@ -17,6 +17,7 @@ from .checkpoint_compare import StoredTensor
 from .connection import (
     MAX_CHILDREN,
     MAX_COMPARE_MODULES,
+    MAX_DEPTH,
     MAX_HEAT_COLUMNS,
     MAX_KEYS,
     MAX_PARAMS,
@@ -92,7 +93,7 @@ class ModuleQueries(StoreBase):
         """Children of one node that are part of the model now (registered first, in id order), and ``also``
         (a module id, or several: the one selected and its ancestors) when it is a child no longer part of it (the
         one selected, drawn where it was, under its parent removed with it); ``more`` counts the rest."""
-        extra = [] if also is None else [also] if isinstance(also, int) else sorted({int(i) for i in also})[:256]
+        extra = [] if also is None else [also] if isinstance(also, int) else sorted({int(i) for i in also})[:MAX_DEPTH]
         marks = ", ".join(["?"] * len(extra)) or "-1"
         where = f"rank = ? AND parent_id = ? AND ({self._current('modules')} OR module_id IN ({marks}))"
         args = (rank, parent_id, *extra)
@@ -109,9 +110,9 @@ class ModuleQueries(StoreBase):
             "WITH RECURSIVE up(id, parent, lvl) AS ("
             " SELECT module_id, parent_id, 0 FROM modules WHERE rank = ? AND module_id = ?"
             " UNION ALL SELECT m.module_id, m.parent_id, up.lvl + 1 FROM modules m"
-            " JOIN up ON m.rank = ? AND m.module_id = up.parent WHERE up.lvl < 256)"
-            " SELECT id, lvl FROM up WHERE lvl > 0 ORDER BY lvl DESC LIMIT 300",
-            (rank, module_id, rank), limit=300)
+            " JOIN up ON m.rank = ? AND m.module_id = up.parent WHERE up.lvl < ?)"
+            " SELECT id, lvl FROM up WHERE lvl > 0 ORDER BY lvl DESC LIMIT ?",
+            (rank, module_id, rank, MAX_DEPTH, MAX_DEPTH), limit=MAX_DEPTH)
         return [int(r["id"]) for r in rows]
 
     def search_modules(self, rank: int = 0, text: str = "", code: str | None = None,
@@ -126,9 +127,11 @@ class ModuleQueries(StoreBase):
             where.append("(m.path LIKE ? ESCAPE '\\' OR m.type LIKE ? ESCAPE '\\')")
             params += [f"%{esc}%", f"%{esc}%"]
         if code:
-            where.append("EXISTS (SELECT 1 FROM findings f WHERE f.rank = m.rank "
-                         "AND f.module_id = m.module_id AND f.code = ? AND f.active = 1)")
-            params.append(code)
+            # not correlated: the findings of the code are read once (by the key's (rank, code) prefix) and each
+            # module is looked up in that list; EXISTS per module scanned them all for every module
+            where.append("m.module_id IN (SELECT f.module_id FROM findings f WHERE f.rank = ? AND f.code = ? "
+                         "AND f.active = 1 AND f.module_id IS NOT NULL)")
+            params += [rank, code]
         # modules no longer part of the model are found too (marked by their removed_step), after those that are
         rows = self._query(f"SELECT {self._select('modules', self._MODULE_COLS, 'm')} "
                            f"FROM modules m WHERE {' AND '.join(where)} "

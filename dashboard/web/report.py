@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,15 @@ from plotly.offline import get_plotlyjs
 from probes.schema import ModuleKind, Severity, count_text, display_path
 
 from ..paths import assets_dir
+from ..read.caps import findings_cap
 from ..read.run import Run, RunDir, as_run_dir, format_ranks, others_note, root_counts
-from ..read.shown_text import FULL_MAX, TEXT_MAX, clip, title
+from ..read.shown_text import FULL_MAX, LABEL_MAX, TEXT_MAX, TITLE_MAX, clip, title
 from ..read.store import REMOVED, Store, status_text
 from . import figures
 from .components import badge_specs, cause_text, consequences_text, seen_text, severity_of
 
 MAX_TREE_NODES = 5000
+MAX_NESTED_DEPTH = 48      # levels of the report's tree drawn nested
 MAX_CHART_MODULES = 8
 ASSETS = assets_dir()
 
@@ -41,6 +45,16 @@ def esc_name(x: object) -> str:
     """A name as HTML: cut to ``shown_text.LABEL_MAX``, whole (to ``TITLE_MAX``) in its tooltip."""
     tip = title(x)
     return f'<span title="{esc(tip)}">{esc(clip(x))}</span>' if tip else esc(x)
+
+
+def esc_tail(x: object) -> str:
+    """A path as HTML, cut at its start to ``LABEL_MAX`` (its end tells modules apart); its last ``TITLE_MAX``
+    characters in its tooltip."""
+    s = "" if x is None else str(x)
+    if len(s) <= LABEL_MAX:
+        return esc(s)
+    tip = s if len(s) <= TITLE_MAX else "…" + s[1 - TITLE_MAX:]
+    return f'<span title="{esc(tip)}">{esc("…" + s[1 - LABEL_MAX:])}</span>'
 
 
 def esc_text(x: object) -> str:
@@ -94,7 +108,10 @@ def _tree_html(store: Store, rank: int) -> str:
 
 def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths: bool = False) -> str:
     """``mods`` as trees (a module whose parent is not among them is a root: labelled by its path with
-    ``full_paths``)."""
+    ``full_paths``). Built with a stack, not recursion: a model may be nested hundreds of modules deep. Below
+    ``MAX_NESTED_DEPTH`` levels a node's descendants are listed flat under it, labelled by their paths (their ends,
+    when long: ``esc_tail``; a browser flattens markup nested deeper than a few hundred elements on its own,
+    wherever it likes)."""
     own = store.findings_for_modules(rank, [m["module_id"] for m in mods])
     kids: dict[int, list[dict[str, Any]]] = {}
     roots = []
@@ -105,8 +122,8 @@ def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths
         else:
             kids.setdefault(m["parent_id"], []).append(m)
 
-    def node(m: dict[str, Any], depth: int) -> str:
-        name = display_path(m["path"]) if full_paths and depth == 0 else m["name"] or display_path(m["path"])
+    def label(m: dict[str, Any], by_path: bool, deep: bool = False) -> str:
+        name = display_path(m["path"]) if by_path or deep else m["name"] or display_path(m["path"])
         kind = (f'<span class="badge kind-{REMOVED}" title="{esc(_removed_text(m))}">{REMOVED} at step '
                 f'{esc(m["removed_step"])}</span>' if m.get("removed_step") is not None
                 else "" if m["kind"] == ModuleKind.REGISTERED
@@ -114,18 +131,33 @@ def _forest_html(store: Store, rank: int, mods: list[dict[str, Any]], full_paths
         total = m["params_total"]
         params = f'<span class="tree-params">{total:,} params</span>' if isinstance(total, int) and total else ""
         badges = _badges(own.get(m["module_id"], []), m["kind"])
-        label = (f'<span class="tree-label mono">{esc_name(name)}</span>'
-                 f'<span class="tree-type">{esc_name(m["type"])}</span>{kind}{badges}{params}')
-        children = kids.get(m["module_id"], [])
-        if not children:
-            return f'<li class="leaf kind-{esc(m["kind"], 40)}">{label}</li>'
-        inner = "".join(node(c, depth + 1) for c in children)
-        opened = " open" if depth < 2 else ""
-        return (f'<li class="kind-{esc(m["kind"], 40)}"><details{opened}><summary>{label}</summary>'
-                f'<ul>{inner}</ul></details></li>')
+        return (f'<span class="tree-label mono">{esc_tail(name) if deep else esc_name(name)}</span>'
+                f'<span class="tree-type">{esc_name(m["type"])}</span>{kind}{badges}{params}')
 
-    body = "".join(node(r, 0) for r in roots)
-    return f'<ul class="report-tree">{body}</ul>'
+    out: list[str] = []
+    flattened = False
+    # items: a module and its depth, or the markup that closes a node once its children are written
+    stack: list[tuple[dict[str, Any], int] | str] = [(r, 0) for r in reversed(roots)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        m, depth = item
+        children = kids.get(m["module_id"], [])
+        text = label(m, full_paths and depth == 0, depth > MAX_NESTED_DEPTH)
+        if not children or depth >= MAX_NESTED_DEPTH:
+            out.append(f'<li class="{"leaf " if not children else ""}kind-{esc(m["kind"], 40)}">{text}</li>')
+            flattened = flattened or bool(children)
+            stack.extend((c, depth + 1) for c in reversed(children))     # written after it, at its level
+            continue
+        opened = " open" if depth < 2 else ""
+        out.append(f'<li class="kind-{esc(m["kind"], 40)}"><details{opened}><summary>{text}</summary><ul>')
+        stack.append("</ul></details></li>")
+        stack.extend((c, depth + 1) for c in reversed(children))
+    note = (f'<p class="muted">Modules more than {MAX_NESTED_DEPTH} levels deep are listed under their ancestor '
+            "at that level, by path.</p>" if flattened else "")
+    return f'<ul class="report-tree">{"".join(out)}</ul>{note}'
 
 
 def _finding_html(f: dict[str, Any], show_ranks: bool, folded: bool = False) -> str:
@@ -222,6 +254,8 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
         ov["status"] = status_text(states[rank]) + (f" · {note}" if note else "")
     merged = run.findings_merged(active=True, rank=rank)
     roots = run.folded_findings(active=True, rank=rank)
+    cap = findings_cap(run)
+    cap_note = f'<p class="muted findings-cap">{esc(cap.text())}</p>' if cap else ""
     several = len(run.ranks()) > 1
     charts = [_fig_html(figures.loss_figure(store.loss_series(rank)), "chart-loss")]
     chart_mods = []
@@ -279,7 +313,7 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 {ranks_section}
 <section class="panel" id="loss">{charts[0]}</section>
 <section class="panel" id="findings"><h2>Findings: {esc(count_text(root_counts(roots), len(merged) - len(roots)))}</h2>
-{_findings_html(roots, several)}</section>
+{cap_note}{_findings_html(roots, several)}</section>
 <section class="panel" id="tree"><h2>Module tree{tree_rank}</h2>{_tree_html(store, rank)}</section>
 <section class="panel" id="modules"><h2>Module charts{tree_rank}</h2>{''.join(module_sections)}</section>
 </main></body></html>
@@ -287,6 +321,19 @@ def build_report(target: Store | RunDir | Run, rank: int | None = None) -> str:
 
 
 def write_report(target: Store | RunDir | Run, out: str | Path, rank: int | None = 0) -> Path:
+    """Write the report to a new file next to ``out`` and rename it into place: a link at ``out`` (planted in a
+    folder others can write to) is replaced, never followed, and a failed write leaves no half report."""
     out = Path(out)
-    out.write_text(build_report(target, rank), encoding="utf-8")
+    text = build_report(target, rank)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)          # as an ordinary new file (mkstemp's is private)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return out

@@ -97,7 +97,7 @@ def create_app(config: AppConfig) -> Dash:
         update_title=None,
     )
     # Host/Origin checks always; the token where there is one (docs/security.md)
-    security.install(app.server, host=config.bind_host, port=config.bind_port, token=config.token)
+    security.install(app.server, host=config.served.host, port=config.served.port, token=config.served.token)
     if cartesian:
         _drop_dash_plotly()
 

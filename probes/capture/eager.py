@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..model.structure import CompiledModules
-from .hooks import HeldHook
+from .hooks import HeldHandle, hold
 
 __all__ = ["HAS_STANCE", "EagerScope", "hide_global_hook_warning", "restore_warning_filters"]
 
@@ -59,7 +58,7 @@ class EagerScope:
         # off instances, the hooks on torch.compile wrappers, and the stances entered (innermost last)
         self._calls: list[tuple[nn.Module, Any]] = []
         self._methods: list[tuple[nn.Module, str, Any]] = []
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[HeldHandle] = []
         self._stances: list[Any] = []
         self._warning_filter: Any = None   # hides torch's warning about our global hooks, while they exist
 
@@ -82,8 +81,8 @@ class EagerScope:
                 self._methods.append((module, name, compiled))
         if HAS_STANCE:
             for wrapper in self.compiled.wrappers:
-                self._handles.append(wrapper.register_forward_pre_hook(HeldHook(self._enter_eager)))
-                self._handles.append(wrapper.register_forward_hook(HeldHook(self._exit_eager), always_call=True))
+                self._handles.append(hold(wrapper.register_forward_pre_hook, self._enter_eager))
+                self._handles.append(hold(wrapper.register_forward_hook, self._exit_eager, always_call=True))
             if self.called_from_compiled:
                 self._stances.append(torch.compiler.set_stance("force_eager"))    # undone at leave()
 

@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import measure
 from .guard import ProbeRuntime
-from .hooks import HeldHook
+from .hooks import HeldHandle, hold
 
 __all__ = ["RankClock"]
 
@@ -43,7 +42,7 @@ class RankClock:
 
     def __init__(self, probe: ProbeRuntime) -> None:
         self._probe = probe              # a failure is counted (probe_errors), never raised into training
-        self._handle: RemovableHandle | None = None
+        self._handle: HeldHandle | None = None
         self.waited_s = 0.0              # this step: backward waiting for the other ranks
         self.optimizer_s = 0.0           # this step: inside optimizer steps, closure calls not counted
         self._queued = False             # a backward's callbacks are queued (one pair per backward)
@@ -56,7 +55,7 @@ class RankClock:
 
     def attach(self, outermost: nn.Module) -> None:
         """A forward hook on the module the user calls (a DDP wrapper: its output is what backward starts from)."""
-        self._handle = outermost.register_forward_hook(HeldHook(self._on_forward))
+        self._handle = hold(outermost.register_forward_hook, self._on_forward)
 
     def detach(self) -> None:
         if self._handle is not None:

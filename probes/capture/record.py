@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from ..model import frozen
 from ..model.index import ModelIndex
 from ..model.runtime import ForwardSightings
 from . import measure, tensor_stats
+from .hooks import Removable
 
 __all__ = ["MAX_CALLS_MEASURED", "CallRecord", "GradHookDict", "IndexTensors", "OutputKey", "PerTensor",
            "RetainedNorms", "StepHooks", "StepRecord", "TensorSlot", "UpdateBaseline", "release_outputs"]
@@ -109,7 +109,7 @@ class StepHooks:
     """The hooks a sampled step attached, all removed at ``StepCapture.detach`` (the compiled model's eager scope
     keeps its own: :class:`probes.capture.eager.EagerScope`)."""
 
-    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    handles: list[Removable] = dataclasses.field(default_factory=list)
     hooked: list[torch.Tensor] = dataclasses.field(default_factory=list)     # tensors without hooks before
     # leaves given a gradient-hook dict of our own (they had none): (tensor, the dict)
     own_hook_dicts: list[tuple[torch.Tensor, GradHookDict]] = dataclasses.field(default_factory=list)

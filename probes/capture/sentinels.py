@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import measure
 from .guard import ProbeRuntime
-from .hooks import HeldHook
+from .hooks import HeldHandle, hold
 
 
 @dataclasses.dataclass
@@ -63,8 +62,8 @@ class RootSentinel:
         self.probe = probe
         self.log = ForwardLog()
         self._mode_sensitive: Sequence[tuple[str, nn.Module]] = ()     # Dropout/BatchNorm-like, with paths
-        self._handles: list[RemovableHandle] = []
-        self._part_handles: list[RemovableHandle] = []
+        self._handles: list[HeldHandle] = []
+        self._part_handles: list[HeldHandle] = []
         self._root: nn.Module | None = None
         self._depth = 0                              # forwards of the model in progress (its parts' calls are in it)
         self._part_depth = 0                         # calls of its children in progress, outside its forward
@@ -92,8 +91,8 @@ class RootSentinel:
         """Hooks on ``outermost`` (what the user calls); the mode is read from ``root`` (the model inside any
         wrapper: ``model.eval()`` may have been called on it rather than on the wrapper)."""
         self._root = root
-        self._handles.append(outermost.register_forward_pre_hook(HeldHook(self.on_pre_forward)))
-        self._handles.append(outermost.register_forward_hook(HeldHook(self.on_forward)))
+        self._handles.append(hold(outermost.register_forward_pre_hook, self.on_pre_forward))
+        self._handles.append(hold(outermost.register_forward_hook, self.on_forward))
 
     def watch_parts(self) -> None:
         """Hooks on the model's children too (idempotent): the loop calls them, not the model."""
@@ -102,8 +101,8 @@ class RootSentinel:
             return
         self._parts = self._parts_of(root)
         for child in root.children():
-            self._part_handles.append(child.register_forward_pre_hook(HeldHook(self.on_part_pre_forward)))
-            self._part_handles.append(child.register_forward_hook(HeldHook(self.on_part_forward)))
+            self._part_handles.append(hold(child.register_forward_pre_hook, self.on_part_pre_forward))
+            self._part_handles.append(hold(child.register_forward_hook, self.on_part_forward))
 
     def _parts_of(self, root: nn.Module) -> dict[int, Sequence[tuple[str, nn.Module]]]:
         out: dict[int, Sequence[tuple[str, nn.Module]]] = {}

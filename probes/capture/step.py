@@ -27,7 +27,7 @@ from ..model.structure import CompiledModules, ModuleNode, unit_dim
 from . import batch, measure, tensor_stats
 from .eager import EagerScope, hide_global_hook_warning, restore_warning_filters
 from .guard import ProbeRuntime, call_guarded
-from .hooks import HeldHook
+from .hooks import hold
 from .optimizer_step import OptimizerStepMeasure
 from .record import (
     MAX_CALLS_MEASURED,
@@ -130,13 +130,13 @@ class StepCapture:
         self.index = index
         rec = self.record = StepRecord(index=index)
         self.eager.enter()
-        trigger = HeldHook(self.eager.wrap(self.on_trigger))
+        trigger = self.eager.wrap(self.on_trigger)
         if self._top_level is None or self._top_level[0] is not index:
             # a TorchScript module refuses per-module hooks; the global hooks still see its calls
             self._top_level = (index, [m for m in index.top_level_modules()
                                        if not isinstance(m, torch.jit.ScriptModule)])
         for module in self._top_level[1]:
-            rec.hooks.handles.append(module.register_forward_pre_hook(trigger))
+            rec.hooks.handles.append(hold(module.register_forward_pre_hook, trigger))
 
     def detach(self) -> StepRecord | None:
         """Remove every hook of the step; returns what it gathered."""

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..schema import CODES as CODE_INFO
-from ..schema import SEVERITY_ORDER, Severity, display_path
+from ..schema import SEVERITY_ORDER, Severity, display_path, printable
 
 __all__ = ["CODES", "SEVERITIES", "Finding", "Seen", "make", "sort_findings"]
 
@@ -68,7 +68,7 @@ class Finding:
                 "count": self.count, "cause": list(self.cause) if self.cause else None}
 
     def __str__(self) -> str:
-        return f"[{self.severity}] {self.code} at {display_path(self.path)}: {self.message}"
+        return printable(f"[{self.severity}] {self.code} at {display_path(self.path)}: {self.message}")
 
 
 @dataclasses.dataclass(frozen=True)

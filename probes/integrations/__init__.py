@@ -32,6 +32,8 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import nn
 
+from ..limits import check_dense, check_every, check_overhead, check_run_name, check_window
+
 __all__ = ["LossMean", "WatchOptions", "announce", "calling_trainer", "guarded", "handles_unscaling", "require",
            "say_once", "scaler_skips"]
 
@@ -85,27 +87,23 @@ class WatchOptions:
     overhead: float = 0.01
     window: int = 16
     run_name: str | None = None
+    dense: bool | int = True
 
     def __post_init__(self) -> None:
-        every, overhead, window = self.every, self.overhead, self.window
         if self.run_dir is not None and not isinstance(self.run_dir, (str, os.PathLike)):
             raise TypeError(f"run_dir must be a str, os.PathLike or None, got {type(self.run_dir).__qualname__}: "
                             f"{self.run_dir!r:.80}")
         if self.run_dir is not None and Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
             raise ValueError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be a positive int or None, got {every!r}")
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
-            raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
-        if self.run_name is not None and not isinstance(self.run_name, str):
-            raise TypeError(f"run_name must be a str or None, got {type(self.run_name).__qualname__}: "
-                            f"{self.run_name!r:.80}")
+        check_every(self.every)
+        check_overhead(self.overhead)
+        check_window(self.window)
+        check_run_name(self.run_name)
+        check_dense(self.dense)
 
     def kwargs(self) -> dict[str, Any]:
         return {"run_dir": self.run_dir, "every": self.every, "overhead": float(self.overhead),
-                "window": self.window, "run_name": self.run_name}
+                "window": self.window, "run_name": self.run_name, "dense": self.dense}
 
 
 def announce(model: nn.Module, run_dir: str | os.PathLike[str], rank: int) -> None:

@@ -5,8 +5,9 @@ zero-code watcher installed.
     python -m probes.launch.autorun --run-dir DIR [--every N | --overhead F] -- -m package.module [ARGS...]
 
 The script sees what ``python script.py ARGS`` gives it: ``sys.argv`` (the path as given, then
-ARGS), ``sys.path[0]`` (the script's real directory), ``__file__`` (absolute), ``__name__ ==
-"__main__"``, and ``sys.modules["__main__"]`` is its module (pickling and ``multiprocessing``
+ARGS), ``sys.path`` (the script's real directory first, the working folder nowhere; modscope's own packages are
+imported from where modscope is installed before that: dashboard/commands/children.py), ``__file__`` (absolute),
+``__name__ == "__main__"``, and ``sys.modules["__main__"]`` is its module (pickling and ``multiprocessing``
 find its classes). ``-m`` runs like ``python -m``: ``runpy.run_module(..., alter_sys=True)``.
 The exit status is the script's: 0 when it returns, its ``sys.exit`` code, 1 after an uncaught
 exception (its traceback printed without this module's frames); an uncaught ``KeyboardInterrupt``
@@ -94,14 +95,29 @@ def run_script(path: str) -> None:
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=full, __cached__=None, __builtins__=builtins,
                          __loader__=importlib.machinery.SourceFileLoader("__main__", full))
-    sys.path[0] = os.path.dirname(os.path.realpath(full))
+    _launcher_entry(os.path.dirname(os.path.realpath(full)))
     # like viztracer: the script is __main__ for good (pickle, multiprocessing spawn, atexit)
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 
 
 def run_module(name: str) -> None:
+    _launcher_entry(os.getcwd())
     runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def _launcher_entry(first: str) -> None:
+    """``sys.path[0]``, the launcher's entry (the folder of modscope's packages, dashboard/commands/children.py;
+    the working folder under ``python -m probes.launch.autorun``), becomes what ``python script.py`` (the script's
+    folder) or ``python -m`` (the working folder) puts there; under ``-P`` / ``PYTHONSAFEPATH`` Python puts nothing
+    there."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = first
+    elif sys.path and os.path.realpath(sys.path[0]) == _PACKAGES:
+        del sys.path[0]
+
+
+_PACKAGES = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))     # the folder holding probes/
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,7 +55,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import process_rank, watch, watcher_of
 from ..capture.eager import hide_global_hook_warning, restore_warning_filters
+from ..limits import check_every, check_overhead
 from ..model.structure import unwrap
+from ..schema import printable
 from ..watcher import Watcher
 from .backward_loss import BackwardLosses
 
@@ -334,7 +336,7 @@ class AutoWatch:
 
     def _say(self, line: str) -> None:
         try:
-            print(line, file=self._out or sys.stderr, flush=True)
+            print(printable(line), file=self._out or sys.stderr, flush=True)
         except Exception:
             pass
 
@@ -345,8 +347,5 @@ def install(run_dir: str | os.PathLike[str], *, every: int | None = None, overhe
     the end of the script. Arguments are checked here, as :func:`probes.watch` checks them."""
     if not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be a str or os.PathLike, got {type(run_dir).__qualname__}: {run_dir!r:.80}")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"every must be a positive int or None, got {every!r}")
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
-        raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
-    return AutoWatch(run_dir, every=every, overhead=float(overhead), out=out).start()
+    check_every(every)
+    return AutoWatch(run_dir, every=every, overhead=check_overhead(overhead), out=out).start()

@@ -81,6 +81,7 @@ MSTAT_COLS = ("rank", "module_id", "step", "calls", "numel", "mean", "std", "abs
               "dead_frac", "sat_frac", "nonfinite", "out_grad_norm", "training", "grad_enabled", "hist")
 PSTAT_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm", "update_norm", "update_ratio",
               "local_grad_norm", "fingerprint", "lr")
+SERIES_COLS = ("rank", "param_id", "step", "grad_norm", "data_norm")
 FINDING_COLS = ("rank", "code", "path", "severity", "module_id", "message", "fix", "evidence",
                 "first_step", "last_step", "active", "count", "cause_code", "cause_path")
 RANK_COLS = ("rank", "world_size", "hostname", "pid", "model_class", "torch_version", "python_version",
@@ -193,6 +194,16 @@ def param_stats_op(rows: Sequence[Row]) -> Op:
     return (upsert_sql("param_stats", PSTAT_COLS, ("rank", "param_id", "step")), rows)
 
 
+def param_series_op(rows: Sequence[Row]) -> Op:
+    """Rows of ``param_series`` (SERIES_COLS): the dense tier's norms of steps that are no full samples."""
+    return (upsert_sql("param_series", SERIES_COLS, ("rank", "param_id", "step")), rows)
+
+
+def next_sample_op(rank: int, step: int | None) -> Op:
+    """The step of the rank's next full sample as the schedule stands (None: none is coming, the run closed)."""
+    return ("UPDATE ranks SET next_sample=? WHERE rank=?", [(step, rank)])
+
+
 def moved_op(rank: int, moved: Mapping[int, int]) -> Op:
     return ("UPDATE params SET moved=? WHERE rank=? AND param_id=?",
             [(v, rank, pid) for pid, v in moved.items()])
@@ -262,3 +273,11 @@ def thin_ops(rank: int, cutoff: int, bucket: int) -> list[Op]:
                 "(SELECT MIN(step) FROM steps WHERE rank=? AND sampled=0 AND step<? GROUP BY step / ?)",
                 [(rank, cutoff, rank, cutoff, bucket)]))
     return ops
+
+
+def thin_series_ops(rank: int, cutoff: int, bucket: int) -> list[Op]:
+    """Thin the dense tier's rows older than ``cutoff`` to the first dense step of every ``bucket`` steps, as
+    :func:`thin_ops` does the unsampled step rows."""
+    return [("DELETE FROM param_series WHERE rank=? AND step<? AND step NOT IN "
+             "(SELECT MIN(step) FROM param_series WHERE rank=? AND step<? GROUP BY step / ?)",
+             [(rank, cutoff, rank, cutoff, bucket)])]

@@ -19,11 +19,14 @@ import secrets
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from ..schema import LOCK_SUFFIX, RUN_ID_RE, status_path, store_filename
+from . import run_files
 
 RUN_ID_ENV = "MODSCOPE_RUN_ID"            # an explicit run id, the same on every rank (and node) of a job
 JOURNAL_ENV = "MODSCOPE_JOURNAL"          # 'wal' or 'delete': override the journal mode chosen below
+LOCK_BYTES = 4096                         # a lock is a short JSON object: read no more
 AGREE_TIMEOUT_S = 120.0                   # how long a rank waits for rank 0's run id
 # Filesystems on which SQLite's WAL mode is unsafe: its shared-memory index (-shm) is not shared between
 # hosts (network and cluster filesystems), so a reader on another host could see a torn state.
@@ -147,15 +150,15 @@ class WriterLock:
         payload = json.dumps(dataclasses.asdict(me)).encode()
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except FileExistsError:
-                owner = self._read_owner()
+                owner = self._read_owner()      # raises for a name modscope did not create (a link, a pipe)
                 if owner is not None and (owner.hostname != me.hostname or _pid_alive(owner.pid)):
                     raise RunDirError(
                         f"{self.files.run_dir}: run {self.files.run_id} rank {self.files.rank} is already being "
                         f"written by pid {owner.pid} on {owner.hostname} (lock {self.path.name}); two writers of "
                         f"one rank are refused: use another {RUN_ID_ENV} or run_dir") from None
-                self.path.unlink(missing_ok=True)     # stale: its process is gone (or the lock is unreadable)
+                run_files.remove_own(self.path)     # stale: its process is gone (or the lock is unreadable)
                 continue
             except OSError as exc:
                 raise RunDirError(f"{self.files.run_dir}: cannot create the writer lock "
@@ -174,15 +177,24 @@ class WriterLock:
             try:
                 owner = self._read_owner()
                 if owner is not None and owner.pid == os.getpid():
-                    self.path.unlink(missing_ok=True)
-            except OSError:
+                    run_files.remove_own(self.path)
+            except (OSError, RunDirError):       # replaced by something that is not the lock: left alone
                 pass
 
     def _read_owner(self) -> LockOwner | None:
+        """The lock's owner; None for a lock of this user that cannot be read (a writer killed while writing it).
+        A name that is not such a file (a link, a pipe, another user's file) raises RunDirError: it is no lock
+        of modscope's, and is neither read nor removed."""
         try:
-            doc = json.loads(self.path.read_text())
+            raw = run_files.read_own(self.path, LOCK_BYTES)
+        except run_files.UnsafeRunFileError as exc:
+            raise RunDirError(f"cannot take the writer lock: {exc}") from None
+        except OSError:
+            return None
+        try:
+            doc = json.loads(raw)
             return LockOwner(int(doc["pid"]), str(doc["hostname"]), float(doc["started_at"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return None
 
 
@@ -244,27 +256,37 @@ def filesystem_type(path: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- the sampling interval
+class Schedule(NamedTuple):
+    """What a step is: a full sample at the multiples of ``interval`` (after the first three steps), else a dense
+    step at the multiples of ``dense`` (0: the dense tier is off). Rank 0 announces it; ``capture.sampling``
+    chooses it."""
+
+    interval: int
+    dense: int
+
+
 class StoreIntervalChannel:
-    """Rank 0's sampling interval, shared through torch.distributed's key-value store (a store operation
-    on sampled steps only, never a collective). Failures are swallowed: a rank that cannot read the
-    announcement keeps its interval, which is still a power of two (its samples nest with the others')."""
+    """Rank 0's sampling schedule (the full sample's and the dense tier's intervals), shared through
+    torch.distributed's key-value store (a store operation on sampled steps and during the start only, never a
+    collective). Failures are swallowed: a rank that cannot read the announcement keeps its intervals, which
+    are still powers of two (its samples nest with the others')."""
 
     def __init__(self, store: object, key: str) -> None:
         self._store = store
         self._key = key
 
-    def announce(self, from_step: int, interval: int) -> None:
+    def announce(self, from_step: int, schedule: Schedule) -> None:
         try:
-            self._store.set(self._key, f"{from_step}:{interval}")  # type: ignore[attr-defined]
+            self._store.set(self._key, f"{from_step}:{schedule.interval}:{schedule.dense}")  # type: ignore[attr-defined]
         except Exception:
             pass
 
-    def latest(self) -> tuple[int, int] | None:
+    def latest(self) -> tuple[int, Schedule] | None:
         try:
             if not self._store.check([self._key]):  # type: ignore[attr-defined]
                 return None
-            first, interval = self._store.get(self._key).decode().split(":")  # type: ignore[attr-defined]
-            return int(first), int(interval)
+            first, interval, dense = self._store.get(self._key).decode().split(":")  # type: ignore[attr-defined]
+            return int(first), Schedule(int(interval), int(dense))
         except Exception:
             return None
 

@@ -19,7 +19,7 @@ import torch
 
 from .._version import __version__
 from ..schema import RunStatus, snapshot
-from . import records
+from . import records, run_files
 from .errors import ErrorLog
 from .records import Op
 from .rundir import RunFiles, WriterLock, journal_mode
@@ -27,7 +27,8 @@ from .writer import StoreWriter
 
 HEARTBEAT_S = 5.0             # the store's heartbeat (ranks.updated_at) moves at least this often while training
 # Long runs stay bounded: every sampled step of the last THIN_RECENT is kept; older samples (and older
-# unsampled step rows) are thinned to about THIN_OLD evenly spaced ones.
+# unsampled step rows) are thinned to about THIN_OLD evenly spaced ones. The dense tier's rows likewise, counted
+# in dense steps.
 THIN_RECENT = 1000
 THIN_OLD = 1000
 THIN_EVERY = 250              # sampled steps between thinning passes (run by the writer thread)
@@ -45,7 +46,7 @@ class StoreSession:
             self.writer = StoreWriter(files.store, journal=self.journal)
         except BaseException:
             self._lock.release()
-            files.status.unlink(missing_ok=True)
+            run_files.remove_own(files.status)
             raise
         now = time.time()
         self._identity = [
@@ -63,6 +64,8 @@ class StoreSession:
         self._recoveries_seen = 0
         self._recent_samples: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
         self._samples = 0
+        self._recent_series: collections.deque[int] = collections.deque(maxlen=THIN_RECENT)
+        self._series = 0
 
     def submit(self, ops: list[Op], droppable: bool = True) -> None:
         self.writer.submit(ops, droppable)
@@ -74,6 +77,15 @@ class StoreSession:
         if self._samples % THIN_EVERY == 0 and len(self._recent_samples) >= THIN_RECENT:
             cutoff = self._recent_samples[-THIN_RECENT]
             self.writer.submit(records.thin_ops(self.rank, cutoff, max(1, -(-cutoff // THIN_OLD))), droppable=False)
+
+    def series_taken(self, step: int) -> None:
+        """The dense tier ran at ``step``: now and then, thin its old rows (the writer thread does the work)."""
+        self._recent_series.append(step)
+        self._series += 1
+        if self._series % THIN_EVERY == 0 and len(self._recent_series) >= THIN_RECENT:
+            cutoff = self._recent_series[0]
+            self.writer.submit(records.thin_series_ops(self.rank, cutoff, max(1, -(-cutoff // THIN_OLD))),
+                               droppable=False)
 
     def counters_due(self, errors: ErrorLog) -> bool:
         """Counters go with every sampled step, and with any step once a heartbeat is due or something changed."""

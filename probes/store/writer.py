@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..schema import ADDED_COLUMNS, DDL, SCHEMA_VERSION, WriterState, WriterStatus, encode_status, status_path
+from . import run_files
 from .records import Op
 
 FLUSH_INTERVAL = 0.5      # seconds: the most a sample waits before its commit
@@ -68,11 +69,26 @@ def connect_writer(path: str | os.PathLike[str], journal: str = "wal") -> sqlite
     """Open (creating if needed) a store for writing: journal mode, schema, version check. A store that
     cannot be created (a full disk) leaves no file behind."""
     path = Path(path)
-    existed = path.exists()
+    try:
+        fd, created = run_files.claim(path)      # never through a link planted at the store's name
+    except OSError as exc:
+        raise StoreError(str(exc) if isinstance(exc, run_files.UnsafeRunFileError)
+                         else f"{path}: cannot create ({exc.strerror or exc})") from None
+    existed = not created
     try:
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
     except sqlite3.DatabaseError as exc:
+        os.close(fd)
+        if created:
+            run_files.remove_own(path)
         raise StoreError(f"{path}: cannot open ({_one_line(exc)})") from None
+    try:
+        run_files.check_sqlite_opened(conn, path, fd)
+    except run_files.UnsafeRunFileError as exc:
+        conn.close()
+        raise StoreError(str(exc)) from None
+    finally:
+        os.close(fd)
     # A reader that opened the file while it was being created (a dashboard started before the training)
     # makes the journal-mode switch fail with SQLITE_BUSY at once instead of waiting: retry for a while.
     deadline = time.monotonic() + 60
@@ -173,10 +189,7 @@ def checkpoint_wal(conn: sqlite3.Connection, wait_s: float = CHECKPOINT_WAIT_S) 
 
 def _remove_store_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):
-        try:
-            Path(str(path) + suffix).unlink(missing_ok=True)
-        except OSError:
-            pass
+        run_files.remove_own(str(path) + suffix)
 
 
 class StatusFile:
@@ -187,7 +200,9 @@ class StatusFile:
         self.path = status_path(store_path)
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd, _ = run_files.claim(self.path)     # never through a planted link (run_files.py)
+        except run_files.UnsafeRunFileError:
+            raise
         except OSError:
             self._fd = None
 
@@ -276,14 +291,26 @@ class StoreWriter:
         self._thread.join(timeout)
 
     # -- writer thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _start(self) -> sqlite3.Connection | None:
+        """The status file, then the store (a refused status leaves no store behind); None after a failure, which
+        is reported to the constructor, which raises it."""
         try:
-            conn = connect_writer(self.path, self.journal)
-        except BaseException as exc:      # reported to the constructor, which raises it
+            try:
+                self._status = StatusFile(self.path)
+            except run_files.UnsafeRunFileError as exc:
+                raise StoreError(str(exc)) from None
+            return connect_writer(self.path, self.journal)
+        except BaseException as exc:
+            if self._status is not None:
+                self._status.close()
             self._startup_error = exc
             self._ready.set()
+            return None
+
+    def _run(self) -> None:
+        conn = self._start()
+        if conn is None:
             return
-        self._status = StatusFile(self.path)
         self._report()
         self._ready.set()
         stop = False

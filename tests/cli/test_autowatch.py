@@ -154,7 +154,7 @@ def test_tensors_no_module_holds_are_noted_once(aw):
 
 
 def test_bad_arguments_raise_at_once(tmp_path):
-    with pytest.raises(ValueError, match="every must be a positive int"):
+    with pytest.raises(ValueError, match="every must be None or an int from 1 to 1,000,000"):
         autowatch.install(tmp_path, every=0)
     with pytest.raises(ValueError, match=r"overhead must be a fraction in \(0, 1\]"):
         autowatch.install(tmp_path, overhead=2.0)

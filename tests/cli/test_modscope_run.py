@@ -481,7 +481,7 @@ def test_findings_usage_errors_exit_2_with_one_line(tmp_path, work):
         ("findings", "--run", str(tmp_path / "missing")): "no such file or directory",
         ("findings", "--snapshot", "/dev/null"): "a character device",
         ("findings", "--run", str(empty), "--fail-on", "fatal"): "invalid choice: 'fatal'",
-        ("run", "--every", "0", "x.py"): "--every: '0': expected a positive integer",
+        ("run", "--every", "0", "x.py"): "--every: '0': expected an integer from 1 to 1,000,000",
         ("run", str(tmp_path / "nothere.py")): "no such file",
     }
     for args, problem in cases.items():

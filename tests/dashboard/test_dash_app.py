@@ -17,6 +17,7 @@ from bench import synth_store
 from dashboard.read.run import RunDir
 from dashboard.read.store import Store
 from dashboard.web import figures
+from dashboard.web.config import ServedAt
 from dashboard.web.pages import compare as compare_page
 from dashboard.web.pages import findings as findings_page
 from dashboard.web.pages import modules as modules_page
@@ -156,8 +157,8 @@ def test_sql_only_on_the_read_side():
 # -- token ---------------------------------------------------------------------------------------
 def test_token_check(demo_snapshot):
     token = "T0k-0123456789abcdef"                               # (the rest: tests/dashboard/test_security.py)
-    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot), token=token,
-                               bind_host="0.0.0.0", bind_port=8050))
+    app = create_app(AppConfig(mode="review", store=Store.open_snapshot(demo_snapshot),
+                               served=ServedAt("0.0.0.0", 8050, token)))
     client = app.server.test_client()
     assert client.get("/").status_code == 401
     assert client.get("/_dash-layout").status_code == 401

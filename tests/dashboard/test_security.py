@@ -22,6 +22,7 @@ from browser_helpers import Server
 from bench import synth_store
 from dashboard.read.store import Store
 from dashboard.web import ids
+from dashboard.web.config import ServedAt
 from dashboard.web.security import (
     check_host,
     check_token,
@@ -53,9 +54,9 @@ def one_error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def make_app(tmp_path: Path, **bind):
+def make_app(tmp_path: Path, bind_host: str = "127.0.0.1", bind_port: int | None = None, token: str | None = None):
     store = Store.open_run(tmp_path / "run")
-    return create_app(AppConfig(mode="live", store=store, **bind))
+    return create_app(AppConfig(mode="live", store=store, served=ServedAt(bind_host, bind_port, token)))
 
 
 def refusals(caplog) -> list[str]:

@@ -202,6 +202,6 @@ def test_an_exception_in_training_closes_the_watcher(tmp_path, run_dir):
 
 def test_bad_arguments_fail_when_the_callback_is_made():
     from probes.integrations.transformers import ModscopeCallback
-    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"window must be an int from 1 to 256 \(sampled steps\), got 0"):
         ModscopeCallback(window=0)
     assert isinstance(ModscopeCallback(), transformers.TrainerCallback)

@@ -22,7 +22,8 @@ def test_layers_notebook_pivots_layers_against_steps(tmp_path, monkeypatch):
     errors = [o for outs in outputs.values() for o in outs if o.get("output_type") == "error"]
     assert not errors, errors
     pivot = next(o for o in outputs[4] if o.get("output_type") == "execute_result")["data"]["text/plain"]
-    rows = [line.split()[0] for line in pivot.splitlines()[2:] if line.strip() and not line.startswith("[")]
+    first_block = pivot.split("\n\n")[0]              # a wide pivot (a column per step) prints in blocks of columns
+    rows = [line.split()[0] for line in first_block.splitlines()[2:] if line.strip() and not line.startswith("[")]
     assert rows == ["0", "2", "4", "6", "8", "10"]                                      # the Linear layers, in order
     shown = [o for o in outputs[5] if o.get("output_type") in ("execute_result", "display_data")]
     assert shown and any(k.startswith(("application/vnd.plotly", "text/html")) for o in shown for k in o["data"]), \

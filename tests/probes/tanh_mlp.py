@@ -34,15 +34,16 @@ class TrainedRun:
     layer_paths: tuple[str, ...]                 # the Linear layers, in order
 
 
-def train(run_dir: Path, steps: int = 200, every: int | None = 1, seed: int = 0) -> TrainedRun:
-    """Train the MLP for ``steps`` steps on a fixed random task, watched (``every``: the sampling interval)."""
+def train(run_dir: Path, steps: int = 200, every: int | None = 1, seed: int = 0, dense: bool = True) -> TrainedRun:
+    """Train the MLP for ``steps`` steps on a fixed random task, watched (``every``: the sampling interval;
+    ``dense``: the dense tier between full samples)."""
     torch.manual_seed(seed)
     model = tanh_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(BATCH * 4, IN)
     y = torch.randint(0, CLASSES, (BATCH * 4,))
     norms: dict[tuple[int, str], float] = {}
-    with probes.watch(model, opt, run_dir=run_dir, every=every, run_name="tanh-mlp") as w:
+    with probes.watch(model, opt, run_dir=run_dir, every=every, run_name="tanh-mlp", dense=dense) as w:
         for step in range(steps):
             i = (step % 4) * BATCH
             loss = nn.functional.cross_entropy(model(x[i:i + BATCH]), y[i:i + BATCH])
@@ -58,14 +59,15 @@ def train(run_dir: Path, steps: int = 200, every: int | None = 1, seed: int = 0)
 
 
 # Every 4th step a full sample: 50 of the 200 steps hold gradient norms, enough for the layer views (40 or more
-# columns) at a quarter of every=1's time. (With the dense tier, the default budget does too: every=None.)
+# columns) at a quarter of every=1's time. The views are tested on the full samples alone (dense=False); with the
+# dense tier, the steps between hold gradient and weight norms too (tests/dashboard/test_series_dense_tier.py).
 EVERY = 4
-_RUNS: dict[tuple[int, int | None], TrainedRun] = {}
+_RUNS: dict[tuple[int, int | None, bool], TrainedRun] = {}
 
 
-def shared_run(tmp_path_factory, steps: int = 200, every: int | None = EVERY) -> TrainedRun:
+def shared_run(tmp_path_factory, steps: int = 200, every: int | None = EVERY, dense: bool = False) -> TrainedRun:
     """One trained run per pytest session (the CLI, the page data and the browser tests read the same)."""
-    key = (steps, every)
+    key = (steps, every, dense)
     if key not in _RUNS:
-        _RUNS[key] = train(tmp_path_factory.mktemp("tanh-mlp") / "run", steps, every)
+        _RUNS[key] = train(tmp_path_factory.mktemp("tanh-mlp") / "run", steps, every, dense=dense)
     return _RUNS[key]

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 import probes
 from bench import stored_stats
 from probes import watcher
-from probes.capture import host_values
+from probes.capture import dense, host_values
 from probes.model import tensors
 
 PROBES_DIR = os.path.dirname(probes.__file__) + os.sep
@@ -61,9 +61,12 @@ class HostReads(TorchFunctionMode):
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    """A HostReads counter, and the samples read: (the sample's step, the step in progress when it was read)."""
+    """A HostReads counter, and the samples read: (the sample's step, the step in progress when it was read). The
+    dense tier's reading of a copy of its own (started at a step boundary, read once it has landed) is a copy's
+    reading too."""
     counter = HostReads()
     read_sample = watcher.Watcher._read_sample
+    read_dense = dense.DenseSeries._read
 
     def reading(self, step, *args):
         counter.samples.append((step, self._probe.step))
@@ -72,7 +75,15 @@ def host_reads(monkeypatch):
             return read_sample(self, step, *args)
         finally:
             counter.reading -= 1
+
+    def reading_dense(self, *args):
+        counter.reading += 1
+        try:
+            return read_dense(self, *args)
+        finally:
+            counter.reading -= 1
     monkeypatch.setattr(watcher.Watcher, "_read_sample", reading)
+    monkeypatch.setattr(dense.DenseSeries, "_read", reading_dense)
     return counter
 
 

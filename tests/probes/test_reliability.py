@@ -160,7 +160,7 @@ def test_exception_inside_a_hook_is_caught_counted_and_stored(run_dir, monkeypat
     (dict(model="not a model"), TypeError, "got str: 'not a model'"),
     (dict(optimizer="adam"), TypeError, "optimizer"),
     (dict(optimizer=[None]), TypeError, "optimizer[0]"),
-    (dict(every=0), ValueError, "every must be a positive int or None, got 0"),
+    (dict(every=0), ValueError, "every must be None or an int from 1 to 1,000,000 (sample every N-th step), got 0"),
     (dict(every=True), ValueError, "got True"),
     (dict(overhead=2.0), ValueError, "got 2.0"),
     (dict(run_dir=42), TypeError, "got int"),

@@ -27,17 +27,21 @@ def test_budget_chooses_the_interval_from_measured_cost():
     # a sampled step costs 10 ms more than a 100 ms step: 1% needs one sample every 10 steps; the interval
     # is the power of two at or above it (the budget is an upper bound)
     assert p.interval == 16
-    assert sampled[:5] == [0, 1, 2, 16, 32]        # the start: steps 0-2 (findings at once), then the interval
+    # the start: steps 0-2 (findings at once); the budget counts them: the next sample comes at the first multiple
+    # of the interval from which 1% of the steps so far covers all four (30 + 10 ms: step 40)
+    assert sampled[:5] == [0, 1, 2, 48, 64]
     assert p.overhead() == pytest.approx(10.0 / (100.0 * 16))
-    assert set(sampled) == {s for s in range(400) if s < 3 or s % 16 == 0}
+    assert set(sampled) == {s for s in range(400) if s < 3 or (s >= 48 and s % 16 == 0)}
 
 
 def test_the_interval_is_chosen_at_the_first_unsampled_step_after_the_start():
     """An expensive sampled step (here 5 times a plain one) must not be repeated before the budget allows:
     the interval is chosen as soon as one unsampled step is timed, not at the next sampled step."""
     p = SamplingPolicy(every=None, overhead=0.01)
-    sampled = feed(p, plain_ms=100.0, sampled_ms=500.0, probe_ms=400.0, steps=1000)
-    assert sampled == [0, 1, 2, 512]
+    sampled = feed(p, plain_ms=100.0, sampled_ms=500.0, probe_ms=400.0, steps=2100)
+    # the start's three samples cost 12 plain steps: 1% of the steps covers them and a fourth only at step 1600;
+    # full samples stay at most MAX_INTERVAL steps apart
+    assert sampled == [0, 1, 2, 1024, 2048]
 
 
 def test_budget_adapts_when_sampling_gets_expensive():
@@ -55,8 +59,8 @@ class DictChannel:
     def __init__(self):
         self.value = None
 
-    def announce(self, from_step, interval):
-        self.value = (from_step, interval)
+    def announce(self, from_step, schedule):
+        self.value = (from_step, schedule)
 
     def latest(self):
         return self.value

@@ -23,6 +23,7 @@ from dash.exceptions import PreventUpdate
 
 from probes.schema import Severity, count_text
 
+from ...read.caps import FindingsCap, findings_cap
 from .. import ids
 from ..components import finding_card, message, severity_of, severity_pill, toggled
 from ..config import AppConfig
@@ -49,21 +50,24 @@ def layout(config: AppConfig) -> html.Div:
 
 
 def finding_list(items: list[dict[str, Any]], severities: Sequence[str], *, show_ranks: bool = False,
-                 opened: Collection[str] | None = None) -> list[Any]:
+                 opened: Collection[str] | None = None, cap: FindingsCap | None = None) -> list[Any]:
     """The cards of the root causes in ``items`` (folded: each with its ``consequences``) whose
     severity is checked (one this version does not know counts as info), with a count per severity
     and, over the ranks of a distributed run, the ranks each occurs on. With ``opened``, the evidence
-    and consequences whose keys it holds are drawn open (and report their toggles)."""
+    and consequences whose keys it holds are drawn open (and report their toggles). ``cap``: the findings
+    the read left out, said first."""
+    capped = [message(cap.text(), "muted findings-cap")] if cap is not None else []
     shown = [f for f in items if severity_of(f["severity"]).value in severities]
     if not shown:
-        return [message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
+        return [*capped, message("No findings. ✓" if not items else "No finding matches the filter.", "ok")]
     counts = {s: sum(1 for f in shown if severity_of(f["severity"]) is s) for s in Severity}
     folded = sum(len(f.get("consequences") or []) for f in shown)
     # the one count (schema.count_text), as the Overview, the report and the command line say it
-    out: list[Any] = [html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
-                                html.Span(count_text({str(s): n for s, n in counts.items()}, folded),
-                                          className="muted findings-count")],
-                               className="sev-row findings-summary")]
+    out: list[Any] = [*capped]
+    out.append(html.Div([*(severity_pill(s, plural(counts[s], s.value)) for s in Severity if counts[s]),
+                         html.Span(count_text({str(s): n for s, n in counts.items()}, folded),
+                                   className="muted findings-count")],
+                        className="sev-row findings-summary"))
     for f in shown[:MAX_SHOWN]:
         out.append(finding_card(f, show_ranks=show_ranks, opens_module=True, opened=opened))
     if len(shown) > MAX_SHOWN:
@@ -89,6 +93,8 @@ def register(app: Dash, config: AppConfig) -> None:
                 and set(keys) == set(toggled(opened, None))):
             raise PreventUpdate
         run, rank = view_of(config, tick)
-        items = run.folded_findings(active=None if resolved else True, rank=rank)
-        return (finding_list(items, severities or [], show_ranks=len(tick.ranks) > 1, opened=set(keys)),
+        active = None if resolved else True
+        items = run.folded_findings(active=active, rank=rank)
+        return (finding_list(items, severities or [], show_ranks=len(tick.ranks) > 1, opened=set(keys),
+                             cap=findings_cap(run, active)),
                 keys if keys != opened else no_update)

@@ -43,7 +43,8 @@ from ..poll import Tick, callback, plural, reads_store, view_of
 from . import param_history
 
 MAX_VISIBLE_ROWS = 2000
-MAX_INDENT = 200           # levels of indentation drawn (a deeper node is drawn at this depth)
+MAX_INDENT = 48            # levels of indentation drawn (a deeper row is indented no further; its aria-level still
+                           # says how deep)
 LONG_PATH = 300            # characters of the module's path in its detail's title (all of it: "show all")
 DETAIL_POINTS = 600        # a detail chart is ~500 px wide: more points only cost rendering time
 DETAIL_HEAT_COLUMNS = 150
@@ -122,7 +123,7 @@ def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: 
     gone = removed_title(m)
     has_children = (m["n_children"] or 0) > 0 and not show_path and gone is None
     pill = subtree_pill(inside) if inside and has_children and not expanded else None
-    depth = min(m["depth"] or 0, MAX_INDENT)                  # unknown (a store from elsewhere): 0
+    depth = m["depth"] or 0                                    # unknown (a store from elsewhere): 0
     return {
         # strings cut (a 1 MB path must not fill the row); the path, the row's tooltip, to TITLE_MAX
         "id": m["module_id"], "path": clip(m["path"], TITLE_MAX), "kind": REMOVED if gone else clip(m["kind"]),
@@ -131,7 +132,7 @@ def tree_row(m: Mapping[str, Any], *, expanded: bool, selected: bool, findings: 
         "toggle": ("▾" if expanded else "▸") if has_children else "",
         "selected": selected,
         "level": 1 if show_path else depth + 1,          # aria-level (a flat search result: 1)
-        "indent": round(0.4 + (0 if show_path else depth) * 1.1, 2),
+        "indent": round(0.4 + (0 if show_path else min(depth, MAX_INDENT)) * 1.1, 2),
         "kind_title": gone or KIND_TITLES.get(m["kind"], ""),
         "badges": [b.to_data() for b in badge_specs(findings, m["kind"])],
         "inside": pill,
