@@ -239,6 +239,9 @@ def _dispatch(argv: list[str], prog: str) -> int:
     if cmd == "series":
         from .commands.series import series_main
         return series_main(rest, prog, Parser, fail)
+    if cmd == "checkpoint":
+        from .commands.checkpoint import main as checkpoint_main
+        return checkpoint_main(rest, Parser(prog=f"{prog} checkpoint", description=ABOUT["checkpoint"]), fail)
     if cmd == "run":
         from .commands.run import run_main
         return run_main(rest, prog)

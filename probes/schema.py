@@ -39,6 +39,7 @@ from .paths import (
     printable,
     runtime_label,
 )
+from .state_dict_keys import KeyPrefix, key_prefix
 from .writer_status import (
     STATUS_BYTES,
     STATUS_SUFFIX,
@@ -51,12 +52,13 @@ from .writer_status import (
 
 __all__ = ["ADDED_COLUMNS", "ADDED_TABLES", "CODES", "DDL", "EVENT_CODES", "HIST_BINS", "HIST_EDGES",
            "LEGACY_STORE_FILENAME", "MAX_VALUE_BYTES", "MIN_READ_VERSION", "ROOT_DISPLAY", "SCHEMA_VERSION",
-           "SEVERITY_ORDER", "STATUS_BYTES", "STATUS_SUFFIX", "TABLES", "CodeInfo", "FindingCode", "ModuleKind",
-           "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind", "UntrustedStoreError", "WriterState",
-           "WriterStatus", "attr_path", "code_label", "contract_columns", "count_text", "decode_hist", "display_path",
-           "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path", "member_path",
-           "module_path_candidates", "normalize_path", "overhead_option", "parse_store_filename", "printable",
-           "read_status", "runtime_label", "snapshot", "status_path", "store_filename"]
+           "SEVERITY_ORDER", "STATUS_BYTES", "STATUS_SUFFIX", "TABLES", "CodeInfo", "FindingCode", "KeyPrefix",
+           "ModuleKind", "RunStatus", "Severity", "StoreName", "StrEnum", "TensorKind", "UntrustedStoreError",
+           "WriterState", "WriterStatus", "attr_path", "code_label", "contract_columns", "count_text", "decode_hist",
+           "display_path", "encode_hist", "encode_status", "every_option", "guard_reads", "item_path", "key_path",
+           "key_prefix", "member_path", "module_path_candidates", "normalize_path", "overhead_option",
+           "parse_store_filename", "printable", "read_status", "runtime_label", "snapshot", "status_path",
+           "store_filename"]
 
 SCHEMA_VERSION = 5
 MIN_READ_VERSION = 1          # the oldest store version readers still open
@@ -186,6 +188,7 @@ class FindingCode(StrEnum):
     SHARED_PARAMETER = "shared-parameter"
     RANK_DIVERGENCE = "rank-divergence"
     RANK_STRAGGLER = "rank-straggler"
+    CHECKPOINT_KEYS = "checkpoint-keys"
 
 
 _E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
@@ -265,6 +268,11 @@ CODES: MappingProxyType[str, CodeInfo] = MappingProxyType({
         _W, "straggler",
         "Look for uneven data (sequence lengths, sharding), a slower device or host, or work only this "
         "rank does (logging, checkpointing, evaluation)."),
+    FindingCode.CHECKPOINT_KEYS: CodeInfo(
+        _E, "checkpoint keys",
+        "Load with strict=True (the default), so that a checkpoint that does not fit fails loudly; to load part of "
+        "a model on purpose, load it into that part (model.backbone.load_state_dict(sd)); compare a file with the "
+        "model first: modscope checkpoint FILE --run DIR.", event=True),
 })
 
 

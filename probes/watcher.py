@@ -41,6 +41,7 @@ from .capture.step import StepCapture
 from .capture.tiers import StepTiers
 from .findings.evaluation import Evaluator
 from .findings.finding import Finding
+from .findings.loop_checks import LoopChecks
 from .findings.structural import structural_findings
 from .model.index import IdRegistry, ModelIndex, Presence, build_index, model_signature
 from .model.runtime import RuntimeModules
@@ -151,6 +152,8 @@ class Watcher:
         self._sentinel.attach(model, user_model)
         if self._clock is not None:
             self._clock.attach(model)
+        self._checks = LoopChecks(self._probe, self._evaluator, self._sentinel, user_model, self._publish,
+                                  stepping=bool(self._optimizers) and not self._external)
         for oi, opt in enumerate(self._optimizers):
             self._opt_handles.append(opt.register_step_pre_hook(HeldHook(functools.partial(self._on_opt_pre, oi))))
             self._opt_handles.append(opt.register_step_post_hook(HeldHook(functools.partial(self._on_opt_post, oi))))
@@ -179,6 +182,7 @@ class Watcher:
             if self._optimizers and not self._external:
                 if loss is not None:
                     self._losses.record(max(self._probe.step - 1, 0), loss)
+                self._checks.reported()
                 return
             if loss is not None:
                 self._losses.record(self._probe.step, loss)
@@ -472,7 +476,7 @@ class Watcher:
 
     def _observe_forwards(self, step: int) -> None:
         """What the root sentinel saw since the last boundary, which ends here."""
-        self._evaluator.forwards(step, self._sentinel.take(), self._mode_sensitive(), step_ended=True)
+        self._evaluator.forwards(step, self._checks.take(self._closed), self._mode_sensitive(), step_ended=True)
 
     def _mode_sensitive(self) -> list[str]:
         return [p for p, _ in self._sentinel.mode_sensitive]

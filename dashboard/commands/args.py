@@ -137,6 +137,7 @@ COMMANDS = {
     "findings": "(--run DIR | --snapshot FILE) [--rank R] [--json] [--fail-on error|warning|info]",
     "snapshot": "(--run DIR | --snapshot FILE) -o FILE [--rank R] [--timeout S]",
     "series": "(--run DIR | --snapshot FILE) --metric NAME [--rank R] [-o FILE]",
+    "checkpoint": "FILE (--run DIR | --snapshot FILE) [--rank R]",
     "run": "[--run-dir DIR] [--every N | --overhead F] [--serve [--port P] [--token-file F]] "
            "(script.py | -m package.module) [ARGS...]",
 }
@@ -149,6 +150,7 @@ ABOUT = {
     "findings": "print the active findings; --fail-on LEVEL exits 1 when one at LEVEL or worse exists",
     "snapshot": "one store file of a run (every rank) or a snapshot, holding only what modscope writes",
     "series": "one metric over time (gradient norms, update ratios, activations ...) as a tidy CSV",
+    "checkpoint": "does a saved state dict restore the run's model? exit 1 when keys are missing or shapes differ",
     "run": "run a training script that has no modscope code in it, watching the models it trains",
 }
 

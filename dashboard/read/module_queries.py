@@ -13,6 +13,7 @@ from probes.schema import (
     module_path_candidates,
 )
 
+from .checkpoint_compare import StoredTensor
 from .connection import (
     MAX_CHILDREN,
     MAX_COMPARE_MODULES,
@@ -293,3 +294,31 @@ class ModuleQueries(StoreBase):
                 if isinstance(a, str):
                     keys.add(a)
         return sorted(keys)
+
+    def checkpoint_tensors(self, rank: int = 0, limit: int = MAX_KEYS) -> list[StoredTensor]:
+        """The model's tensors as a checkpoint sees them (``modscope checkpoint``): every current ``params`` row
+        (registered ones with ``in_state_dict`` and ``aliases``, and the unregistered ones no state_dict holds),
+        with the path and kind of the module that holds it."""
+        rows = self._query(
+            "SELECT p.path, p.aliases, p.shape, p.numel, p.dtype, p.kind, p.requires_grad, p.registered, "
+            "p.is_parameter, p.in_state_dict, m.path AS module_path, m.kind AS module_kind, m.type AS module_type "
+            "FROM params p LEFT JOIN modules m ON m.rank = p.rank AND m.module_id = p.module_id "
+            f"WHERE p.rank = ? AND {self._current('params', 'p')} ORDER BY p.param_id LIMIT ?", (rank, limit),
+            limit=limit)
+        return [_stored_tensor(r) for r in rows]
+
+
+def _stored_tensor(r: sqlite3.Row) -> StoredTensor:
+    shape = _loads(r["shape"])
+    aliases = _loads(r["aliases"], []) or []
+    return StoredTensor(
+        path=str(r["path"]), aliases=tuple(a for a in aliases if isinstance(a, str)) if isinstance(aliases, list)
+        else (), shape=tuple(int(d) for d in shape) if isinstance(shape, list) else None,
+        numel=int(r["numel"] or 0), dtype=_text(r["dtype"]), kind=str(r["kind"]),
+        requires_grad=bool(r["requires_grad"]), registered=bool(r["registered"]), is_parameter=bool(r["is_parameter"]),
+        in_state_dict=bool(r["in_state_dict"]), module_path=_text(r["module_path"]),
+        module_kind=_text(r["module_kind"]), module_type=_text(r["module_type"]))
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)

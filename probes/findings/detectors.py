@@ -24,7 +24,8 @@ Definitions (also in docs/usage.md):
   the model is confident, which stalls nothing with a log-likelihood loss: an info. A Tanh stays a warning (a
   generator's or actor's final Tanh feeds a critic), and with no optimizer watched nothing is an output layer.
 - not-updating: over the last NOT_UPDATING_STEPS observed optimizer steps a tensor received a gradient
-  (more than a numerically zero one) and its value did not change.
+  (more than a numerically zero one) and its value did not change; and the other ways a parameter the optimizer
+  holds does not move (a zero or cleared gradient at the step, no gradient at all): not_moving.py.
 - grad-accumulating: in the last ACCUMULATING_STEPS sampled steps in which it got a gradient, its .grad
   already held one when the step's first gradient arrived, and it was not zeroed before a later backward of the
   step (a GAN trained generator first reaches the discriminator before ``opt_d.zero_grad()``). When that is so
@@ -46,6 +47,7 @@ import torch
 
 from ..capture.decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
 from ..model.structure import drops_at_random
+from . import not_moving
 from .finding import Finding
 from .rules import DeadLayer, DeadUnits, GradAccumulating, NotUpdating, Saturated, TinyLearningRate
 
@@ -202,7 +204,8 @@ class DynamicDetectors:
         self._latest: tuple[list[int], list[int]] = ([], [])
         self._orders: dict[int, int] | None = None
         self._at: dict[int, int] = {}       # module -> its place in that order (made with :meth:`_preceding`)
-        self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr"))
+        self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr", "held"))
+        self.quiet = torch.zeros(0)         # per tensor: observed optimizer steps in a row without gradient or change
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
 
     def observe(self, m: ModuleColumns, t: TensorColumns) -> None:
@@ -218,9 +221,15 @@ class DynamicDetectors:
         self._latest, self._orders = (m.module_ids, m.order), None
         upd = [i for i, u in enumerate(t.update_norm) if u is not None]        # observed optimizer steps
         if upd:
-            self.updates.observe(*_rows(t.tensor_ids, upd, {
+            ids, cols = _rows(t.tensor_ids, upd, {
                 "step": [t.step] * len(t.tensor_ids), "grad": t.grad_norm, "data": t.data_norm,
-                "update": t.update_norm, "arrived": t.arrived, "lr": t.lr}))
+                "update": t.update_norm, "arrived": t.arrived, "lr": t.lr,
+                "held": [g is not None for g in t.grad_norm]})
+            self.updates.observe(ids, cols)
+            if self.quiet.numel() < self.updates.count.numel():
+                self.quiet = torch.cat([self.quiet, torch.zeros(self.updates.count.numel() - self.quiet.numel())])
+            idx = torch.tensor(ids, dtype=torch.int64)
+            self.quiet[idx] = not_moving.quiet_steps(cols["arrived"], cols["update"], self.quiet[idx])
         arr = [i for i, a in enumerate(t.arrived) if a]
         if arr:
             self.arrivals.observe(*_rows(t.tensor_ids, arr, {"stale": t.stale_grad_norm, "grad": t.grad_norm}))
@@ -456,7 +465,8 @@ class DynamicDetectors:
                                              view.tensor_in_optimizer(tid), step,
                                              view.tensor_group(tid) if zero_lr or tiny else None,
                                              node.dtype if node is not None else None, tiny_lr=tiny))
-        return out
+        plain = set(rule.nonzero().flatten().tolist())
+        return out + not_moving.not_moving(w, self.quiet, view, step, NOT_UPDATING_STEPS, plain.__contains__)
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
         """Tensors whose .grad held the previous gradient when the next arrived. When (nearly, NEVER_ZEROED) every

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import operator
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,10 @@ class DecodedStep:
 UNREACHED_SAMPLES = 2
 
 
+def _nothing() -> None:
+    return None
+
+
 def runtime_finding(seen: RuntimeSighting) -> Finding:
     return UnregisteredModule.at_run_time(seen.path, seen.type_name, seen.called_from, seen_before=seen.seen_before,
                                    same_object=seen.same_object, numel=seen.numel, step=seen.step)
@@ -64,6 +68,9 @@ class Evaluator:
         self.tracker = FindingTracker(rank)
         self.static: list[Finding] = []           # what the structure walk shows
         self.dynamic: list[Finding] = []          # the detectors' view at the last sampled step
+        # what the watcher's own checks find, by check: a checkpoint load, a stalled optimizer (loop_checks.py)
+        self.outside: dict[str, Sequence[Finding]] = {}
+        self.before_preview: Callable[[], object] = _nothing    # those checks, before a step in progress is shown
         self._moved: dict[int, int] = {}
         # tensors no optimizer holds that a gradient reached in a sampled training step (it arrived in that step,
         # or their .grad was set at its end: nothing zeroes such a tensor, so a gradient of an unsampled step stays),
@@ -152,7 +159,7 @@ class Evaluator:
         naming its cause; the store operations that record the difference."""
         book = events or self.events
         current = assign_causes([*self._static_now(index), *map(runtime_finding, runtime), *self.dynamic,
-                                 *book.findings(index)])
+                                 *book.findings(index), *itertools.chain.from_iterable(self.outside.values())])
         book.changed = False
         return self.tracker.update(step, current, index, sampled)
 
@@ -179,6 +186,7 @@ class Evaluator:
                 runtime: Sequence[RuntimeSighting]) -> list[Op]:
         """The step in progress evaluated without ending it (findings(), snapshot()): nothing is counted
         twice when it ends."""
+        self.before_preview()
         book = self.events.copy()
         if not log.empty():
             book.observe_forwards(step, log, mode_sensitive, step_ended=False)

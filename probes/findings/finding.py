@@ -41,7 +41,8 @@ class Finding:
     first_step: int | None = None
     count: int = 1
     # what the rules' causes read (never stored): the variant of a code that has several, the path this finding
-    # comes from (the first dead layer of a chain, the replacement of a stale tensor) and the modules it names
+    # comes from (the first dead layer of a chain, the replacement of a stale tensor) and the modules (or tensors) it
+    # names
     kind: str = dataclasses.field(default="", compare=False)
     related: str | None = dataclasses.field(default=None, compare=False)
     members: tuple[str, ...] = dataclasses.field(default=(), compare=False)

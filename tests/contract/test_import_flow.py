@@ -20,7 +20,8 @@ LAYERS = {
     "capture": 3,
     "model": 2,
     "store": 1,
-    "schema": 0, "store_copy": 0, "paths": 0, "writer_status": 0, "_compat": 0, "_version": 0, "__init__": 7,
+    "schema": 0, "store_copy": 0, "paths": 0, "writer_status": 0, "state_dict_keys": 0, "_compat": 0, "_version": 0,
+    "__init__": 7,
 }
 
 

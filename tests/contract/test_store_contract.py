@@ -312,6 +312,15 @@ def test_module_series_histograms_and_params(runs):
     assert {m["module_id"] for m in s.all_modules()} == set(latest)
     assert all(row["step"] == STEPS - 1 for row in latest.values())
     assert s.state_dict_keys() == ["head.bias", "head.weight", "stem.bias", "stem.weight"]
+    # what `modscope checkpoint` compares a file with: the registered tensors and the plain list's, by their modules
+    tensors = {t.path: t for t in s.checkpoint_tensors()}
+    stem_w = tensors["stem.weight"]
+    assert (stem_w.registered, stem_w.in_state_dict, stem_w.shape, stem_w.module_kind) == \
+        (True, True, (16, 2), "registered")
+    block = tensors[f"{BLOCKS[0]}.weight"]
+    assert (block.registered, block.in_state_dict, block.module_path, block.module_kind, block.module_type,
+            block.numel) == (False, False, BLOCKS[0], "unregistered", "Linear", 256)
+    assert len(tensors) == 10
 
 
 def test_the_series_over_time(runs):

@@ -133,9 +133,10 @@ def test_dashboard_needs_no_torch_and_only_the_schema_of_probes(demo_snapshot, t
         "build_report(s)\n"
         "dashboard.web.server.create_app(dashboard.web.server.AppConfig(mode='review', store=s)).layout()\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'probes') and sys.modules[m])\n"
-        # the schema's stdlib parts (the path grammar, the status file, the read guard and the snapshot)
+        # the schema's stdlib parts (the path grammar, the status file, the state-dict key prefixes, the read guard and
+        # the snapshot)
         "assert loaded == ['probes', 'probes._compat', 'probes._version', 'probes.paths', 'probes.schema', "
-        "'probes.store_copy', 'probes.writer_status'], loaded\n"
+        "'probes.state_dict_keys', 'probes.store_copy', 'probes.writer_status'], loaded\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO), str(demo_snapshot)], capture_output=True,
                        text=True, timeout=120, check=False)

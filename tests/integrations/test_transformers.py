@@ -77,8 +77,9 @@ def test_tiny_gpt2_with_accumulation_clipping_and_evaluation_is_healthy(tmp_path
     assert t.state.global_step == 4                          # 32 samples / 4 per batch / 2 accumulated
     recorded = steps(w.store_path)
     assert [s for s, _ in recorded] == list(range(4))        # steps are optimizer steps, not micro-batches
-    # the loss of each step is what the Trainer logs for it (logging_steps=1)
-    assert [loss for _, loss in recorded] == pytest.approx(logged_losses(t), rel=1e-6)
+    # the loss of each step is what the Trainer logs for it (logging_steps=1; older transformers, such as 4.42, log it
+    # rounded to 4 decimals)
+    assert [loss for _, loss in recorded] == pytest.approx(logged_losses(t), rel=1e-6, abs=5.01e-5)
     findings = w.findings()
     assert_healthy(findings)                                 # tied embeddings are an info finding only
     assert not {c for c, _ in codes(findings)} & MODE_CODES

@@ -9,6 +9,7 @@ and ``python -m probes.findings.catalog`` to regenerate ``docs/findings.md``.
 from __future__ import annotations
 
 from .base import Explains, Reads, Relation, Rule
+from .checkpoint_keys import CheckpointKeys, LoadResult
 from .dead_layer import DeadLayer
 from .dead_units import DeadUnits
 from .eval_builds_graph import EvalBuildsGraph
@@ -18,7 +19,7 @@ from .grad_accumulating import GradAccumulating
 from .no_gradient import NoGradient
 from .non_finite import NonFinite, NonFiniteOrigin
 from .not_in_optimizer import NotInOptimizer
-from .not_updating import NotUpdating, TinyLearningRate
+from .not_updating import NotUpdating, Tensors, TinyLearningRate
 from .rank_divergence import RankDivergence
 from .rank_straggler import RankStraggler
 from .saturated import Saturated
@@ -36,15 +37,15 @@ RULES: tuple[type[Rule], ...] = (
     UnregisteredModule, NotInOptimizer, UnregisteredTensor, StaleOptimizerParam, FrozenParameter, SharedParameter,
     DeadLayer, DeadUnits, Saturated, NotUpdating, NoGradient, GradAccumulating, TrainingModeMismatch,
     TrainModeUnderNoGrad, TrainStepInEvalMode, EvalBuildsGraph, NonFinite, ForwardBypassed, RankDivergence,
-    RankStraggler,
+    RankStraggler, CheckpointKeys,
 )
 
-__all__ = ["RULES", "DeadLayer", "DeadUnits", "EvalBuildsGraph", "Explains", "ForwardBypassed", "FrozenParameter",
-           "GradAccumulating", "HeldModule", "NoGradient", "NonFinite", "NonFiniteOrigin", "NotInOptimizer",
-           "NotUpdating",
-           "RankDivergence", "RankStraggler", "Reads", "Relation", "Rule", "Saturated", "SharedParameter",
-           "StaleOptimizerParam", "TinyLearningRate", "TrainModeUnderNoGrad", "TrainStepInEvalMode",
-           "TrainingModeKind", "TrainingModeMismatch", "UnregisteredModule", "UnregisteredTensor", "rule_for"]
+__all__ = ["RULES", "CheckpointKeys", "DeadLayer", "DeadUnits", "EvalBuildsGraph", "Explains", "ForwardBypassed",
+           "FrozenParameter", "GradAccumulating", "HeldModule", "LoadResult", "NoGradient", "NonFinite",
+           "NonFiniteOrigin", "NotInOptimizer", "NotUpdating", "RankDivergence", "RankStraggler", "Reads", "Relation",
+           "Rule", "Saturated", "SharedParameter", "StaleOptimizerParam", "Tensors", "TinyLearningRate",
+           "TrainModeUnderNoGrad", "TrainStepInEvalMode", "TrainingModeKind", "TrainingModeMismatch",
+           "UnregisteredModule", "UnregisteredTensor", "rule_for"]
 
 
 def rule_for(code: str) -> type[Rule]:

@@ -39,6 +39,7 @@ class Relation(StrEnum):
     SAME_PATH = "at its path"
     POINTS_AT = "that names it as where it comes from"
     MEMBERS_UNDER = "whose modules all lie under its path"
+    NAMED_BY = "at a path it names"
 
     def holds(self, root: Finding, consequence: Finding) -> bool:
         if self is Relation.AT_OR_BELOW:
@@ -47,6 +48,8 @@ class Relation(StrEnum):
             return root.path == consequence.path
         if self is Relation.POINTS_AT:
             return consequence.related == root.path and root.path != consequence.path
+        if self is Relation.NAMED_BY:
+            return consequence.path in root.members
         members = consequence.members
         return bool(members) and all(under(m, root.path) for m in members)
 

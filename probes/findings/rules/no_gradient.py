@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...schema import FindingCode, display_path
-from ..finding import Finding, Seen, make
-from .base import Reads, Rule
+from ..finding import Finding, Links, Seen, make
+from .base import Explains, Reads, Relation, Rule
 
 
 class NoGradient(Rule):
@@ -20,6 +20,7 @@ class NoGradient(Rule):
         "`torch.no_grad()` inside `forward`, a reentrant checkpoint whose inputs do not require grad, an output the "
         "loss does not use); the rest of the model trains, the loss falls")
     example = "with torch.no_grad(): h = self.encoder(x)   # inside forward: the encoder trains on nothing"
+    explains = (Explains(FindingCode.NOT_UPDATING, Relation.NAMED_BY),)
 
     @staticmethod
     def build(module_path: str, tensor_paths: Sequence[str], first_step: int, step: int, count: int) -> Finding:
@@ -29,4 +30,4 @@ class NoGradient(Rule):
                     f"{names}, which the optimizer holds and which require grad: its output does not reach the loss, "
                     f"so the optimizer never changes them (in {count:,} sampled steps since step {first_step}).",
                     evidence={"tensors": list(tensor_paths[:50]), "n_tensors": len(tensor_paths)},
-                    seen=Seen(step, first_step=first_step, count=count))
+                    seen=Seen(step, first_step=first_step, count=count), links=Links(members=tuple(tensor_paths)))

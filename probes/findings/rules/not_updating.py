@@ -1,4 +1,5 @@
-"""`not-updating`: a tensor that receives gradients but whose value does not change across optimizer steps."""
+"""`not-updating`: a tensor that receives gradients but whose value does not change across optimizer steps, and every
+other way a parameter the optimizer holds does not move (observed by :mod:`probes.findings.not_moving`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ...schema import FindingCode
+from ...schema import FindingCode, Severity
 from ..finding import Finding, Seen, make
 from .base import Reads, Rule
 
@@ -25,15 +26,59 @@ class TinyLearningRate:
     reference: str                 # 'float32' | 'float64'
 
 
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    """The tensors one finding names: one (at its path), or several (one finding at the root: every parameter, when
+    the gradients are cleared or zeroed for all of them, or more than ``not_moving.GROUP_AT``)."""
+
+    ids: Sequence[int]
+    paths: Sequence[str]
+
+    @property
+    def path(self) -> str:
+        return self.paths[0] if len(self.paths) == 1 else ""
+
+    def subject(self) -> str:
+        if len(self.paths) == 1:
+            return self.paths[0]
+        return (f"{len(self.paths):,} tensors ({', '.join(self.paths[:5])}"
+                + (f" and {len(self.paths) - 5:,} more" if len(self.paths) > 5 else "") + ")")
+
+    @property
+    def one(self) -> bool:
+        return len(self.paths) == 1
+
+    def words(self) -> tuple[str, str, str]:
+        """(it, its, is) or (them, their, are)."""
+        return ("it", "its", "is") if self.one else ("them", "their", "are")
+
+    def evidence(self) -> dict[str, Any]:
+        return {} if len(self.paths) == 1 else {"tensors": list(self.paths[:50]), "n_tensors": len(self.paths)}
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return f"steps {', '.join(str(s) for s in steps)}"
+
+
 class NotUpdating(Rule):
     code = FindingCode.NOT_UPDATING
     reads = Reads.SAMPLES
-    severities = "error"
+    severities = ("error (a warning for a tensor no gradient ever reaches; an info for a zero gradient on a few "
+                  "tensors)")
     meaning = (
         "a tensor receives gradients but its value did not change over the last 2 observed optimizer steps; the "
         "message says why when it can: its param group's lr is 0, or so small (a scheduler decayed it) that a step "
         "of lr × max(1, the gradient's rms) per value is below half the spacing of float32 numbers at the tensor's "
-        "rms in both steps; for a bfloat16/float16 tensor that its precision rounds the update away")
+        "rms in both steps; for a bfloat16/float16 tensor that its precision rounds the update away. Also, for a "
+        "parameter a watched optimizer steps (`probes/findings/not_moving.py`): a gradient arrived but `.grad` is "
+        "None at the step in the last 2 observed steps (`zero_grad()` between `backward()` and `step()`); `.grad` "
+        "exactly zero at the step in the last 2 after its first (moved by weight decay or momentum alone, or not at "
+        "all): an error, one at the root, when so for every tensor of an optimizer (`zero_grad(set_to_none=False)` "
+        "misplaced, `clip_grad_norm_` to 0), an info for a few (a hook or mask, a loss that does not depend on it: a "
+        "WGAN critic's last bias); no gradient ever and no change in 8 observed steps, a warning (an unused layer; a "
+        "consequence of `no-gradient` when it ran); and, at the root, training forwards going on without an "
+        "optimizer step (at least 8, and 4× the most a step had: a forgotten `optimizer.step()`, a GradScaler that "
+        "skips every step)")
     example = 'opt = torch.optim.SGD([{"params": model.head.parameters(), "lr": 0.0}])   # gradients, no change'
 
     @staticmethod
@@ -75,3 +120,76 @@ class NotUpdating(Rule):
                     f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                     f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
                     evidence=evidence, seen=Seen(step), fix=fix)
+
+    @staticmethod
+    def zero_gradient(what: Tensors, steps: Sequence[int], moved: bool, step: int, every: bool) -> Finding:
+        """``every``: of the tensors a gradient reached, all have a zero gradient (something in the loop zeroes them:
+        an error); else these only (a hook or mask on them, or a loss that does not depend on them, such as a WGAN
+        critic's last bias under a difference of means: an info)."""
+        it, its, is_ = what.words()
+        how = (f"{it} moves only by weight decay or momentum, never by what {it} learns" if moved
+               else f"so the optimizer never moves {it}")
+        return make(FindingCode.NOT_UPDATING, what.path,
+                    f"{what.subject()} {is_} held by the optimizer and gradients reach {it}, but {its} .grad is "
+                    f"exactly zero at the optimizer step ({_steps(steps)}): {how}. Something zeroes the gradient "
+                    "between the loss and the step: a gradient hook or mask, clip_grad_norm_ with max_norm=0, "
+                    "optimizer.zero_grad(set_to_none=False) called between backward() and step(), or a loss that "
+                    "does not depend on it (multiplied by zero; a bias a difference of means cancels, as a WGAN "
+                    "critic's last one).",
+                    evidence={"steps": list(steps), "grad_norm": 0.0, "moved_by_decay_or_momentum": moved,
+                              "in_optimizer": True, "reason": "zero-gradient", "every_tensor": every,
+                              **what.evidence()},
+                    severity=None if every else Severity.INFO, seen=Seen(step),
+                    fix="Find what zeroes the gradient: call optimizer.zero_grad() before backward(), not between "
+                        "backward() and step(); give clip_grad_norm_ a max_norm above 0; remove the hook or mask; if "
+                        "it is meant to stay fixed, set requires_grad_(False) and leave it out of the optimizer.")
+
+    @staticmethod
+    def gradient_cleared(what: Tensors, steps: Sequence[int], step: int) -> Finding:
+        it, its, _ = what.words()
+        return make(FindingCode.NOT_UPDATING, what.path,
+                    f"{what.subject()}: gradients reach {it} in backward(), but {its} .grad is None when the "
+                    f"optimizer steps ({_steps(steps)}), so the optimizer skips {it} and {its} values never change: "
+                    "something clears the gradients between backward() and step() (optimizer.zero_grad() or "
+                    "model.zero_grad() called after backward(), or .grad set to None).",
+                    evidence={"steps": list(steps), "in_optimizer": True, "reason": "gradient-cleared",
+                              **what.evidence()},
+                    seen=Seen(step),
+                    fix="Call optimizer.zero_grad() before backward() (or after step()), never between backward() "
+                        "and step().")
+
+    @staticmethod
+    def no_gradient_at_all(what: Tensors, quiet: int, group: tuple[int, int] | None, step: int) -> Finding:
+        evidence: dict[str, Any] = {"observed_steps": quiet, "in_optimizer": True, "reason": "no-gradient",
+                                    **what.evidence()}
+        if group is not None:
+            evidence.update(optimizer=group[0], param_group=group[1])
+        it, its, is_ = what.words()
+        return make(FindingCode.NOT_UPDATING, what.path,
+                    f"{what.subject()} {is_} held by the optimizer and require{'s' if what.one else ''} grad, but no "
+                    f"gradient has reached {it} in any of the {quiet} optimizer steps observed, and {its} values "
+                    "never changed: it takes no part in the loss (a layer built but never called in forward, an "
+                    "output the loss does not use, an expert the router never picks).",
+                    evidence=evidence, severity=Severity.WARNING, seen=Seen(step),
+                    fix="Use the layer in forward, or remove it (and leave it out of the optimizer); if it is meant "
+                        "to stay fixed, set requires_grad_(False). DistributedDataParallel needs "
+                        "find_unused_parameters=True for a parameter no loss uses.")
+
+    @staticmethod
+    def stalled_optimizer(forwards: int, most_per_step: int, since_step: int) -> Finding:
+        """The watched optimizers have not stepped for ``forwards`` training forwards of the model since step
+        ``since_step`` began (``most_per_step``: the most forwards a finished step had)."""
+        last = f"since step {since_step - 1} ended" if since_step > 0 else "since the watch began"
+        had = f" (a step had at most {most_per_step} before)" if most_per_step else ""
+        return make(FindingCode.NOT_UPDATING, "",
+                    f"The model ran {forwards:,} training forwards{had} {last} without an optimizer step: no "
+                    "parameter moves. optimizer.step() is not called: forgotten, or a GradScaler skips every step "
+                    "because the gradients are inf or NaN each time (scaler.step(optimizer) does not call "
+                    "optimizer.step() then).",
+                    evidence={"forwards": forwards, "most_forwards_per_step": most_per_step, "since_step": since_step,
+                              "reason": "optimizer-stalled"},
+                    seen=Seen(since_step),
+                    fix="Call optimizer.step() after backward() (scaler.step(optimizer) with a GradScaler); when a "
+                        "GradScaler skips every step, find the inf/NaN in the loss or the gradients "
+                        "(scaler.get_scale() falls step after step; torch.autograd.detect_anomaly() names the "
+                        "operation).")
