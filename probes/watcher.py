@@ -494,16 +494,18 @@ class Watcher:
                         last_step: int | None = None) -> None:
         """``last_step``: the last finished step (default: the one before the step in progress)."""
         step = self._probe.step - 1 if last_step is None else last_step
-        self._store.write_counters(max(step, 0), self._probe.errors, self._policy.overhead(), self._lost_writes,
-                                   status, closed_at)
+        self._store.write_counters(max(step, 0), self._probe.errors, self._policy.overhead(),
+                                   functools.partial(_lost_writes, self), status, closed_at)
 
-    def _lost_writes(self) -> list[Op]:
-        """What failed commits may have held, written again once commits succeed: the tree, the findings."""
-        s, step = self._index.structure, self._probe.step
-        return [*records.structure_ops(self.rank, s.modules, s.tensors, step),
-                *records.structure_ops(self.rank, self._runtime.nodes(), [], step),
-                *records.removal_ops(self.rank, self._presence.removed_modules, self._presence.removed_tensors),
-                *self._evaluator.tracker.rewrite_ops(step), self._tiers.next_sample_op()]
+
+
+def _lost_writes(w: Watcher) -> list[Op]:
+    """What failed commits may have held, written again once commits succeed: the tree, the findings."""
+    s, step = w._index.structure, w._probe.step
+    return [*records.structure_ops(w.rank, s.modules, s.tensors, step),
+            *records.structure_ops(w.rank, w._runtime.nodes(), [], step),
+            *records.removal_ops(w.rank, w._presence.removed_modules, w._presence.removed_tensors),
+            *w._evaluator.tracker.rewrite_ops(step), w._tiers.next_sample_op()]
 
 
 class FindingList(list[Finding]):

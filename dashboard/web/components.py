@@ -274,3 +274,16 @@ def finding_card(f: Mapping[str, Any], *, show_ranks: bool = False, opens_module
                            for c in consequences], className="consequences-list")],
                 "consequences", details_key("consequences", f), opened) if consequences else None,
     ], className=cls, **own)
+
+
+def yes_no(v: object) -> str:
+    return "–" if v is None else ("yes" if v else "no")
+
+
+def int_or_zero(v: object) -> int:
+    return v if isinstance(v, int) else 0
+
+
+def count_or_unknown(v: object) -> str:
+    """A count as the detail says it: "1,234", or "unknown" (NULL, or a value of the wrong type in the store)."""
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else "unknown"

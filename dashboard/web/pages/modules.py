@@ -29,14 +29,17 @@ from .. import figures, ids
 from ..components import (
     KIND_TITLES,
     badge_specs,
+    count_or_unknown,
     finding_badges,
     finding_card,
+    int_or_zero,
     kind_badge,
     long_text,
     message,
     params_text,
     table,
     toggled,
+    yes_no,
 )
 from ..config import AppConfig
 from ..poll import Tick, callback, plural, reads_store, view_of
@@ -246,7 +249,7 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
     once, under the module it is stored under); a tensor this module owns by another name (a tied
     weight) is named beside them."""
     shared = [p for p in params if p.get("primary") is False]
-    shared_numel = sum(_int(p.get("numel")) for p in shared)
+    shared_numel = sum(int_or_zero(p.get("numel")) for p in shared)
     trainable, in_opt = m["params_trainable"], m["params_in_optimizer"]
     path = display_path(m["path"])
     return [
@@ -258,14 +261,14 @@ def detail_header(m: Mapping[str, Any], own: list[dict[str, Any]],
                   *finding_badges(own, m["kind"])], className="detail-title"),
         long_text(path, "mono detail-full-path", limit=0) if len(path) > LONG_PATH else None,
         html.Div([
-            html.Span(f"{_count(m['params_total'])} parameters"),
-            html.Span(f"{_count(trainable)} trainable"),
-            html.Span(f"{_count(in_opt)} held by the optimizer",
-                      className="bad" if _int(in_opt) < _int(trainable) else ""),
+            html.Span(f"{count_or_unknown(m['params_total'])} parameters"),
+            html.Span(f"{count_or_unknown(trainable)} trainable"),
+            html.Span(f"{count_or_unknown(in_opt)} held by the optimizer",
+                      className="bad" if int_or_zero(in_opt) < int_or_zero(trainable) else ""),
             html.Span(f"+ {shared_numel:,} shared with "
                       + ", ".join(clip(p["shared_with"][0]) for p in shared) + " (counted there)",
                       title="tied: the same tensor under another name") if shared else None,
-            html.Span(f"{_count(m['n_children'])} children"),
+            html.Span(f"{count_or_unknown(m['n_children'])} children"),
             html.Span(f"first seen at step {m['first_step']}") if m.get("first_step") is not None else None,
             html.Span(f"removed at step {m['removed_step']}", className="bad")
             if m.get("removed_step") is not None else None,
@@ -314,19 +317,6 @@ def ranks_table(norms: Mapping[str, Any]) -> html.Div | None:
                     className="params")
 
 
-def _yn(v: object) -> str:
-    return "–" if v is None else ("yes" if v else "no")
-
-
-def _int(v: object) -> int:
-    return v if isinstance(v, int) else 0
-
-
-def _count(v: object) -> str:
-    """A count as the detail says it: "1,234", or "unknown" (NULL, or a value of the wrong type in the store)."""
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else "unknown"
-
-
 def optimizer_text(p: Mapping[str, Any], several: bool) -> str:
     """Where the optimizer holds ``p``: "yes (group 0, lr 0.01)", naming the optimizer ("optimizer 1,
     group 0") when the run has more than one."""
@@ -360,7 +350,7 @@ def params_table(params: list[dict[str, Any]], optimizers: int = 1) -> html.Div:
             html.Td(clip("×".join(str(s) for s in p["shape"])) if isinstance(p["shape"], list)
                     else "uninitialised" if p["shape"] is None else "unknown",
                     className="mono"),
-            _yn(p["requires_grad"]),
+            yes_no(p["requires_grad"]),
             html.Td(opt, className="bad" if bad_opt else ""),
             p["grad_norm"],
             p["update_ratio"],
