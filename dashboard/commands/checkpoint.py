@@ -6,7 +6,7 @@ that differ, learned values that live outside every state_dict), 2 when the file
 
 A ``.safetensors`` file is read from its JSON header alone (no torch, no safetensors package, no tensor data).
 Anything else is read with ``torch.load(FILE, weights_only=True, map_location="cpu")``, memory-mapped where the
-format allows: torch is imported here, when the command runs, never when the dashboard is.
+format allows, in a child process (probes/checkpoint_file.py): this process never imports torch.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import argparse
 import dataclasses
 import json
 import struct
-from collections.abc import Callable, Mapping, Sequence
+import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from probes.schema import display_path
 
 from ..read.checkpoint_compare import Comparison, FileTensor, KeyComparison, ModelKeys, compare, shape_text
 from ..read.run import Run
+from .children import python_command
 from .findings import FindingsError, open_runs
 
-# where training scripts put the model's state dict inside a checkpoint: Lightning's "state_dict", the PyTorch
-# tutorial's "model_state_dict", {"model": ...}, DeepSpeed's "module"
-WRAPPER_KEYS = ("state_dict", "model_state_dict", "model", "module")
+TORCH_READ_TIMEOUT_S = 600.0  # a torch.save file is memory-mapped: reading its keys takes seconds, not minutes
 SHOWN = 20                     # keys listed per section; the rest are counted
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -119,78 +119,24 @@ def _read_sharded(path: Path) -> CheckpointContents:
 
 
 def _read_torch(path: Path) -> CheckpointContents:
+    """A torch.save file, read by a child process (probes/checkpoint_file.py): torch never enters this one."""
+    cmd = python_command("probes.checkpoint_file", [str(path)])
     try:
-        import torch
-    except ImportError:
-        raise CheckpointError(f"{path}: reading a PyTorch checkpoint needs torch (pip install torch); a .safetensors "
-                              "file needs nothing") from None
-    obj = _torch_load(torch, path)
-    state, where = find_state_dict(obj, torch.Tensor)
-    if state is None:
-        raise CheckpointError(f"{path}: holds no state dict: {where} (expected a dict of tensors, or one under "
-                              f"{', '.join(repr(k) for k in WRAPPER_KEYS)})")
-    tensors = {str(k): FileTensor(tuple(v.shape), str(v.dtype).removeprefix("torch."))
-               if isinstance(v, torch.Tensor) else FileTensor(None, None) for k, v in state.items()}
-    return CheckpointContents(path, where, tensors)
-
-
-def _torch_load(torch: Any, path: Path) -> Any:
-    """``torch.load(weights_only=True)``: plain containers and tensors only, never code from the file. Memory-mapped
-    (no tensor data read) when the format allows it."""
-    import pickle
-    try:
-        try:
-            return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(path, weights_only=True, map_location="cpu")     # the legacy (non-zip) format
-    except pickle.UnpicklingError as exc:
-        reason = _first_line(exc).removeprefix("Weights only load failed. ")
-        raise CheckpointError(f"{path}: torch.load(weights_only=True) refuses it (a pickled object, such as "
-                              f"torch.save(model), not a state dict): {reason[:200]}") from None
-    except Exception as exc:
-        raise CheckpointError(f"{path}: not a checkpoint torch.load can read ({type(exc).__name__}: "
-                              f"{_first_line(exc)[:200]})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def find_state_dict(obj: Any, tensor_type: type) -> tuple[Mapping[str, Any] | None, str]:
-    """The state dict in a loaded checkpoint, and where it was: the object itself, or under one of WRAPPER_KEYS
-    (nested at most 3 deep). (None, what the object is) when there is none."""
-    where: list[str] = []
-    lightning = isinstance(obj, Mapping) and "pytorch-lightning_version" in obj
-    for _ in range(4):
-        if not isinstance(obj, Mapping):
-            break
-        inner = next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
-        if _holds_tensors(obj, tensor_type) and (inner is None or not _holds_tensors(obj[inner], tensor_type)):
-            break
-        if inner is None:
-            break
-        where.append(inner)
-        obj = obj[inner]
-    if not isinstance(obj, Mapping) or not _holds_tensors(obj, tensor_type):
-        return None, _describe(obj)
-    if not where:
-        return obj, "a state dict"
-    under = "".join(f"[{k!r}]" for k in where)
-    return obj, f"{'a Lightning checkpoint' if lightning else 'a checkpoint'}'s state dict under {under}"
-
-
-def _holds_tensors(obj: Mapping[Any, Any], tensor_type: type) -> bool:
-    return bool(obj) and all(isinstance(k, str) for k in obj) and any(isinstance(v, tensor_type) for v in obj.values())
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, Mapping):
-        keys = ", ".join(repr(k) for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
-        return f"a dict with keys {keys}" if obj else "an empty dict"
-    return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TORCH_READ_TIMEOUT_S, check=False)
+        doc = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"{path}: reading it took more than {TORCH_READ_TIMEOUT_S:.0f} s") from None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(f"{path}: could not be read ({last[:200]})")
+    if "error" in doc:
+        raise CheckpointError(str(doc["error"]))
+    tensors = {str(k): FileTensor(None if shape is None else tuple(int(d) for d in shape),
+                                  None if dtype is None else str(dtype))
+               for k, (shape, dtype) in doc["tensors"].items()}
+    return CheckpointContents(path, str(doc["form"]), tensors)
 
 
 # ------------------------------------------------------------------------------------------------ the model

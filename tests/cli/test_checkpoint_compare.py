@@ -5,6 +5,7 @@ user runs it (a subprocess). Exit 0 when the file restores the model, 1 when it 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -187,9 +188,9 @@ def test_safetensors_read_from_its_header(net_run, tmp_path):
     assert "  head.weight  model [4, 16]  file [5, 16]" in r.stdout
 
 
-def test_safetensors_needs_no_torch(net_run, tmp_path):
-    """The dashboard's side runs without torch: a .safetensors file is read from its header; a .pt file says torch is
-    needed, in one line."""
+def test_the_command_never_imports_torch(net_run, tmp_path):
+    """The dashboard's side runs without torch: a .safetensors file is read from its header, a .pt file by a child
+    process (probes/checkpoint_file.py); where that child has no torch, one line says torch is needed."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
     model, run = net_run
     safetensors_torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
@@ -197,12 +198,16 @@ def test_safetensors_needs_no_torch(net_run, tmp_path):
     torch.save(model.state_dict(), tmp_path / "m.pt")
     code = ("import sys; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
             "from dashboard.cli import main; sys.exit(main(sys.argv[2:]))")
-    for name, status in (("m.safetensors", 0), ("m.pt", 2)):
+    for name in ("m.safetensors", "m.pt"):
         r = subprocess.run([sys.executable, "-c", code, str(REPO), "checkpoint", str(tmp_path / name), "--run",
                             str(run)], capture_output=True, text=True, timeout=120, check=False)
-        assert r.returncode == status, (name, r.stdout, r.stderr)
-    assert "m.pt: reading a PyTorch checkpoint needs torch (pip install torch)" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+        assert r.returncode == 0 and "the file loads the model completely" in r.stdout, (name, r.stdout, r.stderr)
+    child = ("import sys; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
+             "from probes.checkpoint_file import main; sys.exit(main(sys.argv[2:]))")
+    r = subprocess.run([sys.executable, "-c", child, str(REPO), str(tmp_path / "m.pt")], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == 2 and len(r.stdout.strip().splitlines()) == 1
+    assert "m.pt: reading a PyTorch checkpoint needs torch (pip install torch)" in json.loads(r.stdout)["error"]
 
 
 def test_a_lightning_checkpoint(tmp_path):

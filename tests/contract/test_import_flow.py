@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "probes"
 
 LAYERS = {
     "launch": 6, "integrations": 6,
-    "api": 5, "watcher": 5, "notebook": 5, "limits": 5,
+    "api": 5, "watcher": 5, "notebook": 5, "limits": 5, "checkpoint_file": 5,
     "findings": 4,
     "capture": 3,
     "model": 2,
