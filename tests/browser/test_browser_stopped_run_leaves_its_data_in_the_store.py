@@ -77,7 +77,7 @@ def test_a_training_stopped_while_the_dashboard_goes_on_reading(page, server_fac
         train.send_signal(signal.SIGINT)
         _, err = train.communicate(timeout=60)
         assert b"KeyboardInterrupt" in err                  # stopped inside the loop; the watcher closed on the way out
-        wait_text(page, "closed", "#run-status")            # the page read the closed run
+        wait_text(page, "finished", "#run-status")          # the page read the closed run
         [store] = run_dir.glob("modscope-*.sqlite")
         steps = assert_main_file_holds_the_run(store, tmp_path)
         time.sleep(2)                                       # two more polls: the page reads the main file now

@@ -485,8 +485,8 @@ def test_finished_run_in_a_read_only_place():
     shutil.copytree(repo / "dashboard", lib / "dashboard")
     (lib / "probes").mkdir()
     # the stdlib files the dashboard uses: the contract and its parts
-    for name in ("__init__.py", "_version.py", "_compat.py", "schema.py", "paths.py", "store_copy.py",
-                 "writer_status.py"):
+    for name in ("__init__.py", "_version.py", "_compat.py", "schema.py", "paths.py", "state_dict_keys.py",
+                 "store_copy.py", "writer_status.py"):
         shutil.copy(repo / "probes" / name, lib / "probes" / name)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from dashboard.read import store as data; "
             "s = data.Store.open_run(sys.argv[2]); print(s.overview()['step'], len(s.module_series(0, 1)['step']))")

@@ -15,6 +15,7 @@ from helpers import codes, stored
 import probes
 from probes.capture import host_values
 from probes.model import tensors
+from probes.watcher import _lost_writes
 
 
 class Heads(nn.Module):
@@ -177,7 +178,7 @@ def test_a_module_put_back_is_part_of_the_model_again(tmp_path):
         w._writer.flush()
         assert stored(w, "SELECT removed_step FROM modules WHERE path = 'aux'") == [(3,)]
         # what a failed commit held is written again: the removal too
-        assert any(sql.startswith("UPDATE modules SET removed_step") for sql, _ in w._lost_writes())
+        assert any(sql.startswith("UPDATE modules SET removed_step") for sql, _ in _lost_writes(w))
         model.aux = aux
         steps(model, opt, w, 3, seed=2)
     assert stored(w, "SELECT removed_step FROM modules WHERE path = 'aux'") == [(None,)]
