@@ -31,11 +31,21 @@ def resolve_store_path(run_dir: str | os.PathLike[str]) -> Path | None:
     legacy = d / LEGACY_STORE_FILENAME
     if legacy.is_file():
         return legacy
-    runs: dict[str, list[tuple[int, Path, float]]] = {}
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
+    runs = rank_files(d)
+    if not runs:
         return None
+    newest = max(runs, key=lambda run_id: (max(last_modified(f) for _, f in runs[run_id]), run_id))
+    return min(runs[newest])[1]
+
+
+def rank_files(directory: str | os.PathLike[str]) -> dict[str, list[tuple[int, Path]]]:
+    """A directory's per-rank store files by run id, each run's in rank order (no file opened; {} when the
+    directory cannot be listed)."""
+    runs: dict[str, list[tuple[int, Path]]] = {}
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return runs
     for entry in entries:
         name = parse_store_filename(entry.name)
         if name is None:
@@ -45,11 +55,10 @@ def resolve_store_path(run_dir: str | os.PathLike[str]) -> Path | None:
                 continue
         except OSError:
             continue
-        runs.setdefault(name.run_id, []).append((name.rank, Path(entry.path), last_modified(entry.path)))
-    if not runs:
-        return None
-    newest = max(runs, key=lambda run_id: (max(m for _, _, m in runs[run_id]), run_id))
-    return min(runs[newest])[1]
+        runs.setdefault(name.run_id, []).append((name.rank, Path(entry.path)))
+    for files in runs.values():
+        files.sort()
+    return runs
 
 
 def writer_present(path: str | os.PathLike[str]) -> bool:

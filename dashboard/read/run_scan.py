@@ -8,9 +8,7 @@ from pathlib import Path
 
 from probes.schema import LEGACY_STORE_FILENAME, STORE_SUFFIX, parse_store_filename
 
-from .store import (
-    last_modified,
-)
+from .files import last_modified, rank_files
 
 FILE_KEY = "@file:"             # the key of a run read from one file that its name does not name a run
 MAX_RUNS = 50                   # runs of a directory listed (the newest)
@@ -47,32 +45,13 @@ def scan_runs(target: str | os.PathLike[str], limit: int = MAX_RUNS) -> list[Run
         if p.suffix != STORE_SUFFIX and not p.is_file():
             return []                           # a run directory that does not exist yet
         return [_file_entry(p)]
-    by_run: dict[str, list[tuple[int, Path]]] = {}
-    legacy: RunEntry | None = None
+    legacy_path = p / LEGACY_STORE_FILENAME
     try:
-        listing = list(os.scandir(p))
-    except OSError:
-        return []
-    for entry in listing:
-        if entry.name == LEGACY_STORE_FILENAME:
-            try:
-                if entry.is_file():
-                    legacy = _file_entry(Path(entry.path))
-            except OSError:
-                pass
-            continue
-        name = parse_store_filename(entry.name)
-        if name is None:
-            continue
-        try:
-            if not entry.is_file():
-                continue
-        except OSError:
-            continue
-        by_run.setdefault(name.run_id, []).append((name.rank, Path(entry.path)))
+        legacy = _file_entry(legacy_path) if legacy_path.is_file() else None
+    except OSError:                             # a directory that cannot be searched
+        legacy = None
     out = []
-    for run_id, files in by_run.items():
-        files.sort()
+    for run_id, files in rank_files(p).items():
         paths = tuple(f for _, f in files)
         out.append(RunEntry(run_id, run_id, paths, tuple(r for r, _ in files), max(_mtime(f) for f in paths)))
     if legacy is not None:

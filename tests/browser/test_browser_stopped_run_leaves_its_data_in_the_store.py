@@ -58,8 +58,8 @@ def test_ctrl_c_on_the_demo_with_a_page_open(page, server_factory, tmp_path):
     wait_for(page, lambda d: header_step(d) >= 5, "five steps shown")
     srv.proc.send_signal(signal.SIGINT)                     # Ctrl-C in the dashboard's terminal
     assert srv.proc.wait(60) == 0
-    page.get_log("browser")                                 # the page's polls now fail: the server is gone
-    page.get("about:blank")
+    page.get("about:blank")                                 # leave first: the page's polls fail, the server is gone
+    page.get_log("browser")                                 # then drop the failures that were in flight
     [store] = (tmp_path / "runs").glob("demo-*/modscope-*.sqlite")
     assert assert_main_file_holds_the_run(store, tmp_path) >= 5
 
