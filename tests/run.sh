@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what is missing, then runs pytest.
-#   bash tests/run.sh            (extra arguments go to pytest, e.g. -k browser)
+#   bash tests/run.sh            (extra arguments go to pytest, e.g. -k browser; -n 0 runs it in one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,4 +15,5 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
         exit 2
     fi
 fi
-exec "$PY" -m pytest -q "$@"
+# two workers, a test file each at a time (a file's shared runs and browser stay in one worker)
+exec "$PY" -m pytest -q -n 2 --dist loadfile "$@"

@@ -65,10 +65,14 @@ def test_layers_page_of_a_finished_mlp_run(page, server_factory, tmp_path_factor
     screenshot(page, "layers")
 
     # a click on a row opens that module on the Modules page, with each parameter's history
-    mouse_on_cell(page, (3, 20), shape, ("mouseMoved", "mousePressed", "mouseReleased"))
+    # (as a user does: the pointer rests on the row, its label shows, then the click)
+    mouse_on_cell(page, (3, 20), shape, ("mouseMoved",))
+    wait_for(page, lambda d: "step 80" in d.find_element(By.CSS_SELECTOR, "#layers-heat .hoverlayer").text,
+             "the hover label of row 3, step 80")
+    mouse_on_cell(page, (3, 20), shape, ("mousePressed", "mouseReleased"))
     wait_for(page, lambda d: d.current_url.endswith("/modules"), "the Modules page")
-    wait_text(page, "6", "#detail-header h2")
-    assert page.find_element(By.CSS_SELECTOR, "#detail-header h2").text == mlp.layer_paths[3]
+    wait_for(page, lambda d: d.find_element(By.CSS_SELECTOR, "#detail-header h2").text == mlp.layer_paths[3],
+             f"{mlp.layer_paths[3]} in the module's header")
     history = wait_for(page, lambda d: d.execute_script(
         "const g = document.querySelector('#detail-param-history .js-plotly-plot');"
         "return g && g.data && g.data.length ? g.data.map(t => [t.name, t.x.length]) : null;"),

@@ -85,13 +85,17 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen) -> str:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+    """Ctrl-C until it exits: ``run --serve``'s first stops the training, the next its dashboard."""
+    for _ in range(6):
+        if proc.poll() is not None:
+            return
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(30)
+            proc.wait(3)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            continue
+    proc.kill()
+    proc.wait(10)
 
 
 def assert_requires_token(port: int) -> None:
