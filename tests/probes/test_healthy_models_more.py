@@ -2,6 +2,7 @@
 any of them is a false alarm (see test_healthy_models.py). Real training loops, tiny sizes, CPU: mixture-of-experts
 whose router skips experts, LLaMA, ViT, gradient accumulation, bf16 autocast, gradient clipping, a GAN with two
 optimizers, a frozen backbone with low-rank adapters, warmup from lr=0, dropout, a confident multi-label classifier."""
+import hf_families
 import pytest
 import torch
 import torch.nn as nn
@@ -153,41 +154,13 @@ def test_parameter_holders_read_by_their_parent(run_dir):
         assert not w.probe_errors, w.probe_errors
 
 
-def _hf_moe(name):
-    transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64)
-    builds = {
-        "mixtral": ("MixtralForCausalLM", "MixtralConfig",
-                    dict(common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
-        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                      dict(common, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                           num_experts=8, num_experts_per_tok=2)),
-        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                      dict(common, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                           num_experts_per_tok=2, head_dim=8)),
-        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
-                  dict(common, intermediate_size=16, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
-                       pad_token_id=None)),
-        "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
-                        dict(common, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64,
-                             moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=8,
-                             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
-    }
-    model_cls, config_cls, kwargs = builds[name]
-    if not hasattr(transformers, model_cls):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
-
-
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_hugging_face_mixture_of_experts(name, run_dir):
     """Three tokens a step among 8 experts: the router skips most of them in every step."""
     def inputs():
         ids = torch.randint(1, 100, (1, 3))
         return {"input_ids": ids, "labels": ids}
-    assert_healthy_hf(_hf_moe(name), run_dir, 6, inputs)
+    assert_healthy_hf(hf_families.build(name), run_dir, 6, inputs)
 
 
 def test_switch_transformers_experts_in_a_module_dict(run_dir):

@@ -8,6 +8,7 @@ lacks is skipped, naming the version."""
 
 from __future__ import annotations
 
+import hf_families
 import pytest
 import torch
 
@@ -15,30 +16,8 @@ import probes
 
 transformers = pytest.importorskip("transformers")
 
-_DECODER = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=64)
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(_DECODER, intermediate_size=64)),
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
-                dict(_DECODER, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                  dict(_DECODER, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                       num_experts=8, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                  dict(_DECODER, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                       head_dim=8)),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
-              dict(_DECODER, intermediate_size=16, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
-                   pad_token_id=None)),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(_DECODER, intermediate_size=64, head_dim=8, sliding_window=8)),
-    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)),
-    "bert": ("BertForMaskedLM", "BertConfig",
-             dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100,
-                  max_position_embeddings=32)),
-    "t5": ("T5ForConditionalGeneration", "T5Config",
-           dict(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100,
-                decoder_start_token_id=0)),
-}
+# the families trained here (hf_families.FAMILIES also builds DeepSeek-V3, for the mixture-of-experts tests)
+NAMES = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma2", "gpt2", "bert", "t5")
 # the findings each family is meant to give: its tied weights, an info (the embedding tied to the output layer;
 # BERT also ties the decoder's bias to its prediction head's)
 INTENDED = {
@@ -51,11 +30,8 @@ INTENDED = {
 
 
 def build(name: str):
-    model_cls, config_cls, kwargs = FAMILIES[name]
-    if not hasattr(transformers, model_cls):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    model = hf_families.build(name)
     model.train()
     return model
 
@@ -66,7 +42,7 @@ def batch(name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("every", [1, None], ids=["every-step", "default-budget"])
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", NAMES)
 def test_trains_with_only_the_intended_findings(name, every, run_dir):
     model = build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
