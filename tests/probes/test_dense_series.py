@@ -143,10 +143,11 @@ def test_a_tensor_without_gradient_is_stored_as_null(run_dir):
     assert all(grads[("used.weight", s)] > 0 for s in dense_steps)
 
 
-def test_the_mlp_run_has_gradient_norms_at_a_quarter_of_its_steps_under_the_default_budget(run_dir):
+def test_the_mlp_run_has_dense_steps_between_its_announced_full_samples_under_the_default_budget(run_dir):
     """A 200-step run of a 6-layer tanh MLP (width 256, batch 128, SGD) under the default 1% budget: the dense tier
-    covers at least a quarter of the steps, the loss every step, and the full samples follow the schedule that
-    ranks.next_sample announced."""
+    takes steps the full samples do not, with every parameter each time, the loss is stored every step, and the full
+    samples follow the schedule that next_sample announced. How many steps the tier covers depends on measured
+    costs: the split for given costs is held by test_budget_split.py, the figure on this model by bench.dense_tier."""
     torch.manual_seed(0)
     model = TanhMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -162,8 +163,7 @@ def test_the_mlp_run_has_gradient_norms_at_a_quarter_of_its_steps_under_the_defa
             w.step(loss)
             announced.append(w._policy.next_sample(w.step_count))
     stored, dense_steps, full_steps = series(w.store_path)
-    covered = dense_steps | full_steps
-    assert len(covered) >= 50, sorted(covered)
+    assert dense_steps and not dense_steps & full_steps, (sorted(dense_steps), sorted(full_steps))
     assert {0, 1, 2} <= full_steps
     assert all(announced[s - 1] == s for s in full_steps if s)        # each full sample was the one announced
     con = sqlite3.connect(w.store_path)
