@@ -65,11 +65,20 @@ def _base(title: str | None, height: int, uirevision: object) -> dict[str, Any]:
     return layout
 
 
+SHORT_SPAN = 8          # steps: below it a step axis has one tick per step
+MARKERS_BELOW = 40      # points: below it a line is drawn with its markers
+LOG_SPREAD = 100        # largest / smallest value: above it (all values positive) a loss axis is log
+
+
 def whole_steps(axis: dict[str, Any], steps: Sequence[Any]) -> dict[str, Any]:
     """A step axis that labels whole steps only: integer ticks, one per step over a short span (plotly would
-    put ticks at 0.5 there)."""
+    put ticks at 0.5 there); over a longer one plotly's automatic ticks, a handful."""
+    return _whole_steps(axis, max(steps) - min(steps) if steps else None)
+
+
+def _whole_steps(axis: dict[str, Any], span: float | None) -> dict[str, Any]:
     axis["tickformat"] = "d"
-    if steps and max(steps) - min(steps) < 8:
+    if span is not None and span < SHORT_SPAN:
         axis["dtick"] = 1
     return axis
 
@@ -87,20 +96,56 @@ def empty_figure(message: str, height: int = 240) -> Figure:
 
 def _scatter(x: Sequence[Any], y: Sequence[Any], name: str, color: str, n: int) -> dict[str, Any]:
     return {"type": "scatter", "x": list(x), "y": list(y), "name": name,
-            "mode": "lines+markers" if n < 40 else "lines", "marker": {"size": 4},
+            "mode": "lines+markers" if n < MARKERS_BELOW else "lines", "marker": {"size": 4},
             "line": {"color": color, "width": 2}}
 
 
+def series_shape(steps: Sequence[int], values: Sequence[float | None],
+                 before: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a step chart's layout depends on, for the points ``steps``/``values`` following those ``before``
+    describes (a shape of this function's; None: no points before): the first and last step, the number of
+    points, the smallest and largest positive value, whether a value is not positive (or NaN). Plain data, kept
+    in a ``dcc.Store`` while a live chart is extended: the shape of the parts is the shape of the whole."""
+    positive = [v for v in values if v is not None and v > 0]
+    shape: dict[str, Any] = {
+        "first": min(steps) if steps else None, "last": max(steps) if steps else None, "points": len(steps),
+        "low": min(positive) if positive else None, "high": max(positive) if positive else None,
+        "not_positive": any(v is not None and not v > 0 for v in values)}
+    if not before:
+        return shape
+
+    def pick(key: str, fn: Any) -> Any:
+        both = [x for x in (before.get(key), shape[key]) if x is not None]
+        return fn(both) if both else None
+    return {"first": pick("first", min), "last": pick("last", max),
+            "points": int(before.get("points") or 0) + shape["points"],
+            "low": pick("low", min), "high": pick("high", max),
+            "not_positive": bool(before.get("not_positive")) or shape["not_positive"]}
+
+
+def loss_look(shape: Mapping[str, Any]) -> dict[str, bool]:
+    """The loss chart's layout for data of ``shape`` (:func:`series_shape`): one tick per step (a short span),
+    markers (few points), a log axis (positive values spanning more than ``LOG_SPREAD``). A chart extended in
+    place keeps its layout: where the look of the extended data differs, the chart is drawn afresh."""
+    first, last, low, high = shape.get("first"), shape.get("last"), shape.get("low"), shape.get("high")
+    spread = float(high / low) if low and high else 0.0
+    return {"step_ticks": first is not None and last is not None and last - first < SHORT_SPAN,
+            "markers": int(shape.get("points") or 0) < MARKERS_BELOW,
+            "log": not shape.get("not_positive") and spread > LOG_SPREAD}
+
+
 def loss_figure(series: Series, uirevision: object = "loss", height: int = 280) -> Figure:
+    """The loss over the steps; its layout is :func:`loss_look` of the series' shape."""
     steps, loss = series.get("step") or [], series.get("loss") or []
     if not steps:
         # no API named: a run of `modscope run` records the loss itself, and its script calls nothing of modscope
         return empty_figure("No loss recorded yet.", height)
+    shape = series_shape(steps, loss)
     layout = _base("Loss", height, uirevision)
-    whole_steps(layout["xaxis"], steps)
-    if all(v is None or v > 0 for v in loss) and _spread(loss) > 100:
+    _whole_steps(layout["xaxis"], shape["last"] - shape["first"])
+    if loss_look(shape)["log"]:
         layout["yaxis"]["type"] = "log"
-    return {"data": [_scatter(steps, loss, "loss", SERIES_COLORS[0], len(steps))], "layout": layout}
+    return {"data": [_scatter(steps, loss, "loss", SERIES_COLORS[0], shape["points"])], "layout": layout}
 
 
 def _spread(values: Sequence[float | None]) -> float:

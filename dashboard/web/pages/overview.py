@@ -191,13 +191,32 @@ def register(app: Dash, config: AppConfig) -> None:
         store = run.at(rank)
         view = [run.key, rank]
         if state and state.get("view") == view and state.get("has_data") and state.get("last") is not None:
-            new = store.loss_series(rank, since_step=state["last"])
-            if not new["step"]:
-                raise PreventUpdate
-            patch = Patch()
-            patch["data"][0]["x"].extend(new["step"])
-            patch["data"][0]["y"].extend(new["loss"])
-            return patch, {**state, "last": new["last"]}
-        series = store.loss_series(rank)
-        fig = figures.loss_figure(series, uirevision=f"loss-{run.key}-{rank}")
-        return fig, {"view": view, "last": series["last"], "has_data": bool(series["step"])}
+            extended = extend_loss(state, store.loss_series(rank, since_step=state["last"]))
+            if extended is not None:
+                return extended
+        return draw_loss(store.loss_series(rank), view)
+
+
+def draw_loss(series: Mapping[str, Any], view: list[Any]) -> tuple[figures.Figure, dict[str, Any]]:
+    """The loss chart of ``series`` (the rank's whole loss, as loaded fresh) and the state its live
+    extension starts from: the view it shows, the last step read, the shape of its data."""
+    fig = figures.loss_figure(series, uirevision=f"loss-{view[0]}-{view[1]}")
+    return fig, {"view": view, "last": series["last"], "has_data": bool(series["step"]),
+                 "shape": figures.series_shape(series["step"], series["loss"])}
+
+
+def extend_loss(state: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[Patch, dict[str, Any]] | None:
+    """The loss chart extended in place by the steps of ``new`` (its layout, and so the zoom, stays), and the
+    state after it; None where the layout must change (:func:`figures.loss_look`: the axis past a short span
+    of steps, no markers past a few points, a log axis), so that the chart is drawn afresh: a chart opened
+    at step 0 and left open through a long run ends as the chart loaded at the end. Nothing new: no update."""
+    if not new["step"]:
+        raise PreventUpdate
+    before = state.get("shape")
+    shape = figures.series_shape(new["step"], new["loss"], before)
+    if not before or figures.loss_look(shape) != figures.loss_look(before):
+        return None
+    patch = Patch()
+    patch["data"][0]["x"].extend(new["step"])
+    patch["data"][0]["y"].extend(new["loss"])
+    return patch, {**state, "last": new["last"], "shape": shape}
