@@ -20,6 +20,7 @@ SELECTED = "selected-module"   # {"run", "rank", "module_id"}: the view it was m
 EXPANDED = "expanded-nodes"    # {"view": [run, rank], "ids": [module ids]}
 RUN = "run-select"             # a run key, or dashboard.read.run.NEWEST (follow the newest run)
 RANK = "rank-select"
+RUN_NAME = "run-name"          # the run's name in the header (its directory's path: the title)
 RUN_STATUS = "run-status"
 MODE_BADGE = "mode-badge"      # "live" (a run that trains), "finished", "snapshot"
 

@@ -19,6 +19,7 @@ import datetime as _dt
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from dash import Dash, html
@@ -29,8 +30,8 @@ from ..read.shown_text import TEXT_MAX, clip
 from ..read.store import RunState, StoreError, StoreNotReadyError, WriteTrouble, duration_text, status_text
 from .config import AppConfig, Mode
 
-__all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "mode_badge", "poll_timing", "read_tick",
-           "reads_store", "status_text", "view_of"]
+__all__ = ["Tick", "banner", "callback", "duration_text", "header_text", "mode_badge", "place_name", "poll_timing",
+           "read_tick", "reads_store", "run_name", "status_text", "view_of"]
 
 _TUPLES = ("runs", "ranks", "structure", "findings", "progress")
 FINISHED = "finished"
@@ -61,6 +62,7 @@ class Tick:
     warning: str = ""                 # banner text: rank files left out, WAL written from another host
     finished: bool = False            # every rank of the run shown closed its store: nothing more will come
     next_sample: str = ""             # "next full sample at step 512, 1 % budget" (a run that trains)
+    name: str = ""                    # the run's name (watch(run_name=...), else its directory's): the header's
     n: int = 0                        # how many changes the poll has seen
 
     def to_data(self) -> dict[str, Any]:
@@ -109,6 +111,7 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
         sig, findings, progress = shown.change_signature(view)
         health = shown.health()
         sched = shown.at(view).sample_schedule(view)
+        name = shown.meta().get("run_name")
     except StoreNotReadyError:
         return Tick()
     except StoreError as exc:
@@ -117,9 +120,9 @@ def read_tick(config: AppConfig, run: str | None = None, rank: int | None = None
     trouble = _trouble(health.troubles, len(ranks) > 1)
     finished = bool(health.states) and all(life.state is RunState.CLOSED for life in health.states.values())
     return Tick(finished=finished, next_sample="" if finished else sched.next_text(),
-                ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks, last_step=sig.last_step,
-                stats_step=sig.stats_step, structure=sig.structure, findings=findings, progress=progress,
-                status=status_text(health.states[view]), note=others_note(health.states, view),
+                name=clip(str(name)) if name else "", ready=True, run=shown.key, runs=runs, rank=view, ranks=ranks,
+                last_step=sig.last_step, stats_step=sig.stats_step, structure=sig.structure, findings=findings,
+                progress=progress, status=status_text(health.states[view]), note=others_note(health.states, view),
                 samples_dropped=sig.samples_dropped, probe_errors=sig.probe_errors,
                 write_trouble=trouble[0], write_failing=trouble[1], warning=" · ".join(health.warnings))
 
@@ -169,6 +172,18 @@ class HasWhere(Protocol):
 
 def waiting_text(source: HasWhere) -> str:
     return f"Waiting for the first sample in {source.where} …"
+
+
+def place_name(source: HasWhere) -> str:
+    """The name of what the dashboard opened (the run directory's, a store file's), without the path to it."""
+    where = Path(source.where)
+    return clip(where.name or where.resolve().name or str(where))
+
+
+def run_name(tick: Tick, source: HasWhere) -> str:
+    """The header's name of the run shown: the name given to ``watch(run_name=...)`` (the store's meta),
+    else the run directory's name; never the path that leads to it (that is the name's tooltip)."""
+    return tick.name or place_name(source)
 
 
 def header_text(tick: Tick) -> str:

@@ -15,8 +15,8 @@ from dash.exceptions import PreventUpdate
 from probes.schema import Severity
 
 from ..paths import assets_dir
-from ..read.run import NEWEST, fold_causes, root_counts
-from ..read.shown_text import file_part
+from ..read.run import NEWEST, RunDir, fold_causes, root_counts
+from ..read.shown_text import clip, file_part
 from ..read.store import StoreError
 from . import ids, security
 from .config import AppConfig, Mode
@@ -28,10 +28,12 @@ from .poll import (
     callback,
     header_text,
     mode_badge,
+    place_name,
     poll_timing,
     rank_options,
     read_tick,
     reads_store,
+    run_name,
     run_options,
     shown_if,
     view_of,
@@ -119,6 +121,15 @@ def header_runs(config: AppConfig) -> list[dict[str, str]]:
         return run_options([])
 
 
+def compared_name(source: RunDir) -> str:
+    """The name of a compared run (its newest), as the header names a followed one (:func:`poll.run_name`)."""
+    try:
+        name = source.run().meta().get("run_name")
+    except StoreError:
+        name = None
+    return clip(str(name)) if name else place_name(source)
+
+
 def nav(pages: tuple[Page, ...], count: tuple[str, str] = ("", "nav-count")) -> html.Nav:
     """The navigation; the page that counts findings carries ``count`` (text, class: :func:`findings_count`)."""
     return html.Nav([dcc.Link([page.label, html.Span(count[0], id=ids.NAV_COUNT, className=count[1])]
@@ -135,13 +146,13 @@ def shell_layout(config: AppConfig, pages: tuple[Page, ...]) -> html.Div:
     if config.mode is Mode.COMPARE:
         assert config.source_b is not None
         subtitle = [html.Span("compare", className="mode mode-compare"),
-                    html.Span(f"{config.labels[0]}: {config.source.where}", className="run-path"),
-                    html.Span(f"{config.labels[1]}: {config.source_b.where}", className="run-path")]
+                    *(html.Span(f"{label}: {compared_name(source)}", className="run-name", title=str(source.where))
+                      for label, source in zip(config.labels, (config.source, config.source_b), strict=True))]
     else:
-        where = str(config.source.where)
         badge, badge_class = mode_badge(config.live, tick)
         subtitle = [html.Span(badge, id=ids.MODE_BADGE, className=badge_class),
-                    html.Span(where, className="run-path", title=where),
+                    html.Span(run_name(tick, config.source), id=ids.RUN_NAME, className="run-name",
+                              title=str(config.source.where)),
                     html.Span(header_text(tick), id=ids.RUN_STATUS, className="run-status")]
     export = [] if config.mode is Mode.COMPARE else [
         html.Button("⤓ Snapshot", id=ids.EXPORT_SNAPSHOT_BTN, n_clicks=0, className="btn",
@@ -241,10 +252,10 @@ def register_shell(app: Dash, config: AppConfig, pages: tuple[Page, ...]) -> Non
                 *poll_timing(config.live, new, run in (None, NEWEST), config.poll_ms))
 
     @callback(app, Output(ids.RUN_STATUS, "children"), Output(ids.MODE_BADGE, "children"),
-              Output(ids.MODE_BADGE, "className"), Input(ids.TICK, "data"))
-    def run_status(tick: object) -> tuple[str, str, str]:
+              Output(ids.MODE_BADGE, "className"), Output(ids.RUN_NAME, "children"), Input(ids.TICK, "data"))
+    def run_status(tick: object) -> tuple[str, str, str, str]:
         shown = Tick.from_data(tick)
-        return (header_text(shown), *mode_badge(config.live, shown))
+        return (header_text(shown), *mode_badge(config.live, shown), run_name(shown, source))
 
     @callback(app, Output(ids.NAV_COUNT, "children"), Output(ids.NAV_COUNT, "className"),
                   Input(ids.TICK, "data"), prevent_initial_call=True)
