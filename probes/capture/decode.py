@@ -34,6 +34,22 @@ _NUMEL = operator.attrgetter("numel")
 _MEAN, _DEAD, _SAT, _NONFINITE = (MODULE_STATS.index(f) for f in ("mean", "dead_frac", "sat_frac", "nonfinite"))
 
 
+class SharedCalls(NamedTuple):
+    """A module measured in several calls of one step (one ReLU applied after a block's first conv and again after
+    its residual add): each call's units and spread are its own, judged apart (its row's dead fraction is its
+    worst call's)."""
+
+    row: int                    # the module's row in the columns
+    called: int                 # its calls in the step (measured or not)
+    dead_call: int              # the call (0: the first) whose dead fraction is the module's: the largest
+    per_unit: int               # that call's values per unit
+    flat: int                   # bit k: call k's output is flat (std 0 over more than one value)
+    orders: tuple[int, ...]     # the execution order of each call read (the first's is the module's order)
+    calls: tuple[int, ...]      # which call each of those is (0: the first)
+    # (dead fraction, numel, std, mean) of each of those outputs (NaN: not applicable)
+    rows: tuple[tuple[float, float, float, float], ...]
+
+
 class NonFiniteModule(NamedTuple):
     """A module that produced non-finite values in a sampled step."""
 
@@ -65,6 +81,7 @@ class ModuleColumns:
     training: list[bool] = dataclasses.field(default_factory=list)
     grad_enabled: list[bool] = dataclasses.field(default_factory=list)
     hist: list[bytes] = dataclasses.field(default_factory=list)     # as stored (schema.encode_hist)
+    shared: dict[int, SharedCalls] = dataclasses.field(default_factory=dict)   # modules measured in several calls
 
     def nonfinite_in_order(self) -> list[NonFiniteModule]:
         """The modules that produced non-finite values, in execution order."""
@@ -99,7 +116,8 @@ class TensorColumns:
 
 def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns:
     """One entry per module measured in the step; several calls are aggregated (mean of means, max of
-    abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, so the latest).
+    abs-max, sum of non-finite counts and histograms; the dead fraction is the window's, of each call apart: its
+    largest), what each showed kept in :attr:`ModuleColumns.shared`.
 
     Column by column: every fetched call's statistics are laid end to end, each module picks its position,
     and each column is taken in one C-level pass (a model of 15,000 modules measures 15,000 per step)."""
@@ -110,7 +128,7 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
         cols.module_ids = list(rec.rows)
         agg: list[tuple[list[float], bytes]] = []
     else:
-        positions, firsts, cols.module_ids, agg = _any_calls(rec, values)
+        positions, firsts, cols.module_ids, agg = _any_calls(rec, values, cols.shared)
     if not positions:
         return cols
 
@@ -124,6 +142,8 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     stats = whole.index_select(0, torch.tensor(positions, dtype=torch.int64))
     cols.numel = list(map(_NUMEL, firsts))
     cols.per_unit = list(map(_PER_UNIT, firsts))
+    for shared in cols.shared.values():
+        cols.per_unit[shared.row] = shared.per_unit
     counts = stats[:, _NONFINITE]
     # a count not measured (NaN) says every value may be non-finite; dead and saturated fractions that do not
     # apply (NOT_APPLICABLE) become NaN like the zero fraction without a sample
@@ -148,11 +168,11 @@ def module_columns(step: int, rec: StepRecord, values: Fetched) -> ModuleColumns
     return cols
 
 
-def _any_calls(rec: StepRecord, values: Fetched) -> tuple[list[int], list[CallRecord], list[int],
-                                                          list[tuple[list[float], bytes]]]:
+def _any_calls(rec: StepRecord, values: Fetched, shared: dict[int, SharedCalls]
+               ) -> tuple[list[int], list[CallRecord], list[int], list[tuple[list[float], bytes]]]:
     """(positions, first calls, module ids, aggregates) of the modules measured in the step, whatever the number
     of their calls and devices: every device's columns end to end, then the aggregates of modules called more
-    than once."""
+    than once (and, into ``shared``, what each of their calls showed)."""
     where = values.where
     offsets, off = [], 0
     for c in values.columns:
@@ -170,16 +190,22 @@ def _any_calls(rec: StepRecord, values: Fetched) -> tuple[list[int], list[CallRe
                 continue                # its only output was changed in place before it could be read
             positions.append(offsets[loc[0]] + loc[1])
         else:
-            calls = [k for k in all_calls if k.slot in where]
-            if not calls:
+            read = [i for i, k in enumerate(all_calls) if k.slot in where]     # i: which call (0: the first)
+            if not read:
                 continue
-            first = calls[0]
-            if len(calls) == 1:
+            first = all_calls[read[0]]
+            if len(read) == 1:
                 loc = where[first.slot]
                 positions.append(offsets[loc[0]] + loc[1])
             else:
-                agg.append(_aggregate(values, calls))
+                calls = [all_calls[i] for i in read]
+                row, hist, worst, flat, each = _aggregate(values, calls)
+                agg.append((row, hist))
                 positions.append(off + len(agg) - 1)
+                shared[mid] = SharedCalls(len(module_ids), rec.calls.get(mid, len(all_calls)), read[worst],
+                                          calls[worst].per_unit,
+                                          sum(1 << read[i] for i in range(len(read)) if flat[i]),
+                                          tuple(map(_ORDER, calls)), tuple(read), tuple(each))
         module_ids.append(mid)
         firsts.append(first)
     return positions, firsts, module_ids, agg
@@ -233,20 +259,28 @@ def _out_grad_norms(rec: StepRecord, plain: list[list[float]]) -> dict[int, list
     return norms
 
 
-def _aggregate(values: Fetched, calls: list[CallRecord]) -> tuple[list[float], bytes]:
-    """A module called several times: its row of the calls' stats (host_values.CALL_FIELDS) and its histogram."""
+def _aggregate(values: Fetched, calls: list[CallRecord]
+               ) -> tuple[list[float], bytes, int, list[bool], list[tuple[float, float, float, float]]]:
+    """A module called several times: its row of the calls' stats (host_values.CALL_FIELDS), its histogram, the
+    call whose dead fraction (each call's units are tracked apart) is the row's (the largest, the first of equals)
+    and, per call, whether its output was flat (std 0 over more than one value) and its (dead fraction, numel, std,
+    mean)."""
     where = [values.call(k.slot) for k in calls]
     rows = [cc.stats[j].tolist() for cc, j in where]
     n = len(rows)
     mean = sum(r[0] for r in rows) / n
     std = sum(r[1] for r in rows) / n
     absmax = max(r[2] for r in rows)
-    dead, sat = rows[-1][4], sum(r[5] for r in rows) / n
+    deads = [r[4] if r[4] == r[4] else -math.inf for r in rows]        # NaN: none
+    worst = deads.index(max(deads))
+    dead, sat = rows[worst][4], sum(r[5] for r in rows) / n
     nonfinite = sum(r[6] for r in rows)
     counts = [sum(col) for col in zip(*(decode_hist(cc.hist[j]) or [] for cc, j in where), strict=True)]
     total = sum(counts)
     zero = counts[ZERO_BIN] / total if total else math.nan
-    return [mean, std, absmax, zero, dead, sat, nonfinite], encode_hist(counts)
+    flat = [r[1] == 0 and k.numel > 1 for r, k in zip(rows, calls, strict=True)]
+    each = [(r[4] if r[4] >= 0 else math.nan, float(k.numel), r[1], r[0]) for r, k in zip(rows, calls, strict=True)]
+    return [mean, std, absmax, zero, dead, sat, nonfinite], encode_hist(counts), worst, flat, each
 
 
 def tensor_columns(step: int, rec: StepRecord, values: Values, update_scales: Mapping[int, float]) -> TensorColumns:

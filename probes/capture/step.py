@@ -89,10 +89,10 @@ class StepCapture:
         self._learning = True
         self._copy_outputs: set[int] = set()
 
-    def learn_in_place(self, changed: set[int]) -> None:
+    def learn_in_place(self, changed: set[Any]) -> None:
         """After a sampled step's fetch started: the modules whose small outputs changed after their hook."""
         self._learning = False
-        self._copy_outputs |= changed
+        self._copy_outputs |= {k[0] if isinstance(k, tuple) else k for k in changed}     # a later call's: (id, n)
 
     def clear(self) -> None:
         """Drop cached views of the model's tensors and what was learnt of its modules (the index is being
@@ -316,12 +316,15 @@ class StepCapture:
             if key in rec.grad_targets:
                 rec.grad_targets[key].append(mid)
             return
+        # whose unit activity the call extends: a module's own, or for the later calls of a module called several
+        # times a step (one ReLU after a block's first conv and again after its residual add) that call's own
+        site: int | tuple[int, int] = mid if n == 0 else (mid, n)
         if numel <= batch.SMALL_OUTPUT and not others and version >= 0:
-            slot, per_unit = self._measure_small(rec, index, module, mid, x, key)
+            slot, per_unit = self._measure_small(rec, index, module, mid, x, key, site)
         else:
             udim = self._unit_dim(mid, module, x.dim())
             chunk, layout = measure.call_chunk(x, others, udim, index.saturation.get(mid))
-            slot = rec.measurements.add_call(chunk, layout, mid)
+            slot = rec.measurements.add_call(chunk, layout, site)
             per_unit = numel // layout.units if layout.track and layout.units else 0
         rec.measured[key] = (slot, weakref.ref(x), per_unit)
         rec.rows.setdefault(mid, []).append(CallRecord(slot, rec.order, training, grad_on, numel, per_unit))
@@ -329,9 +332,9 @@ class StepCapture:
             self._hook_output_grad(rec, mid, x, key, numel)
 
     def _measure_small(self, rec: StepRecord, index: ModelIndex, module: nn.Module, mid: int, x: torch.Tensor,
-                       key: OutputKey) -> tuple[int, int]:
+                       key: OutputKey, site: int | tuple[int, int]) -> tuple[int, int]:
         """A small output, kept (or copied) now and reduced with the step's other small outputs at its end (one
-        batch of kernels); returns its slot and the values per unit."""
+        batch of kernels); returns its slot and the values per unit. ``site``: whose unit activity it extends."""
         shape, dtype, device = key[3], x.dtype, x.device
         small = self._small_layouts.get((mid, shape, dtype, device))
         if small is None:
@@ -339,11 +342,11 @@ class StepCapture:
                 shape, dtype, device, self._unit_dim(mid, module, len(shape)), index.saturation.get(mid))
         per_unit = x.numel() // small.units if small.track and small.units else 0
         if self._learning:
-            slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=True, version=key[1]), mid)
+            slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=True, version=key[1]), site)
         elif mid in self._copy_outputs:
-            slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=False, version=key[1]), mid)
+            slot = rec.measurements.add_kept(batch.keep(x, small, copy=True, watch=False, version=key[1]), site)
         else:
-            slot = rec.measurements.add_small(x, small, x, key[1], mid)      # batch.keep without a copy
+            slot = rec.measurements.add_small(x, small, x, key[1], site)      # batch.keep without a copy
         return slot, per_unit
 
     def _hook_output_grad(self, rec: StepRecord, mid: int, x: torch.Tensor, key: OutputKey, numel: int) -> None:

@@ -4,19 +4,23 @@ Definitions (also in docs/usage.md):
 - a unit is a channel (dim 1) of conv-like outputs, else the last dimension; it is *active* in a sample
   when any of its values is non-zero. The *window* is the last ``window`` sampled steps (default 16).
   A unit is dead when it was not active in any call of the window.
-- dead-layer: >= 90% dead units, or the output is constant (std == 0) in every sample of the window;
-  dead-units: 25% to 90%; at the innermost module, not again at the wrappers returning its very output. Both
-  need at least ``MIN_SAMPLES`` calls of the module within the window, and either a call in every sampled step
-  of the window, or, for a module called in some of them only (a mixture-of-experts expert the router did not
-  pick every step), at least ``SPARSE_ROWS`` values per unit over the window (each call's values per unit, from its
-  layout; a lower bound from the outputs' sizes where units are not tracked): the few inputs routed to a
-  sometimes-skipped module do not show that a unit never activates (a constant output needs no more: it does not
-  depend on the units). At a dropout module in training (the only module showing the dead units of a functional
-  activation: nn.TransformerEncoderLayer's F.relu) only when the chance that a live unit's values were all dropped
-  over the window, p ** its values per unit (per channel or sample for Dropout2d and drop-path), is below
-  DROPPED_ALL; in eval mode a dropout is the identity, judged as any module. Never at a dropout whose input (the
-  module that ended just before it) is flagged: the units that die upstream are reported at the activation that
-  kills them.
+- dead-layer: >= 90% dead units, or the output is constant (std == 0 over more than one value) in every sample of
+  the window, or, for an output of one value per call, that value stayed the same over ``MIN_UNIT_VALUES`` calls (a
+  loss module's changes every step); dead-units: 25% to 90%; at the innermost module, not again at the wrappers
+  returning its very output. Both need at least ``MIN_SAMPLES`` calls of the module within the window, and at least
+  ``MIN_UNIT_VALUES`` values per unit over the window (each call's values per unit, from its layout; a lower bound
+  from the outputs' sizes where units are not tracked): a Squeeze-and-Excitation ReLU on pooled features holds one
+  value per sample, and a live unit stays zero over a few of them by chance. A module called in some sampled steps
+  only (a mixture-of-experts expert the router did not pick every step) needs ``SPARSE_ROWS``: the few inputs routed
+  to it do not show that a unit never activates (a constant output needs no more: it does not depend on the units).
+  A module called several times a step (one ReLU after a block's first conv and again after its residual add) is
+  judged call by call (call_sites.py): each measured call keeps its own unit activity and spread, the module's row
+  carries its worst call, and the finding and the dead-input chain name that call. At a dropout module in training
+  (the only module showing the dead units of a functional activation: nn.TransformerEncoderLayer's F.relu) only when
+  the chance that a live unit's values were all dropped over the window, p ** its values per unit (per channel or
+  sample for Dropout2d and drop-path), is below DROPPED_ALL; in eval mode a dropout is the identity, judged as any
+  module. Never at a dropout whose input (the module that ended just before it) is flagged: the units that die
+  upstream are reported at the activation that kills them.
 - saturated: Tanh/Hardtanh/Softsign outputs with |x| > 0.99, Sigmoid/Hardsigmoid outputs below 0.01 or
   above 0.99; flagged when more than half of the values sit in those tails on average over the last
   MIN_SAMPLES samples, at the activation itself (not the wrappers returning its output). A sigmoid-like output
@@ -48,6 +52,7 @@ import torch
 from ..capture.decode import MODULE_STATS, ModuleColumns, TensorColumns, floats
 from ..model.structure import drops_at_random
 from . import not_moving
+from .call_sites import CallSites, flat_in_every_sample
 from .finding import Finding
 from .rules import DeadLayer, DeadUnits, GradAccumulating, NotUpdating, Saturated, TinyLearningRate
 
@@ -58,6 +63,9 @@ MIN_SAMPLES = 3
 # values per unit a module called in only some sampled steps of the window must have produced over it before its
 # units are called dead (a healthy ReLU unit active on 10% of inputs stays zero over 10 of them a third of the time)
 SPARSE_ROWS = 64
+# values per unit any module's outputs must have held over the window before its units are called dead (a pooled SE
+# ReLU holds one a sample); an output of one value per call is constant once it held the same one over as many calls
+MIN_UNIT_VALUES = 16
 NOT_UPDATING_STEPS = 2
 ACCUMULATING_STEPS = 2
 # the share of the tensors an optimizer holds (of those that got gradients) whose gradient accumulates beyond which
@@ -196,14 +204,16 @@ class _Window:
 class DynamicDetectors:
     def __init__(self, window: int = 16) -> None:
         self.window = window
-        self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero"))
+        # flat: bit k set when call k's output had no spread (std 0 over more than one value)
+        self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero", "flat"))
         # per module call: the sampled step it was in (counted here) and its output's size, exactly
         self.calls = _Window(window, ("at", "numel", "per_unit"), torch.float64)
         self.samples = 0                    # sampled steps observed
         # the latest sampled step's modules and the execution order of their first calls (a dict made when needed)
         self._latest: tuple[list[int], list[int]] = ([], [])
         self._orders: dict[int, int] | None = None
-        self._at: dict[int, int] = {}       # module -> its place in that order (made with :meth:`_preceding`)
+        self._at: dict[int, int] = {}       # module -> its judged call's place in that order (:meth:`_preceding`)
+        self.sites = CallSites()            # the modules called several times a step, and which call is judged
         self.updates = _Window(NOT_UPDATING_STEPS, ("step", "grad", "data", "update", "arrived", "lr", "held"))
         self.quiet = torch.zeros(0)         # per tensor: observed optimizer steps in a row without gradient or change
         self.arrivals = _Window(ACCUMULATING_STEPS, ("stale", "grad"))
@@ -211,9 +221,11 @@ class DynamicDetectors:
     def observe(self, m: ModuleColumns, t: TensorColumns) -> None:
         stats = dict(zip(MODULE_STATS, m.stats.to(torch.float32).T, strict=True))
         numel = torch.tensor(m.numel, dtype=torch.float64)
+        flat = self.sites.observe(m, stats["std"], numel)
         self.modules.observe(m.module_ids, {
             "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
-            "nonfinite": stats["nonfinite"], "numel": numel.to(torch.float32), "zero": stats["zero_frac"]})
+            "nonfinite": stats["nonfinite"], "numel": numel.to(torch.float32), "zero": stats["zero_frac"],
+            "flat": flat})
         self.calls.observe(m.module_ids, {"at": torch.full((len(m.module_ids),), float(self.samples),
                                                            dtype=torch.float64), "numel": numel,
                                         "per_unit": torch.tensor(m.per_unit, dtype=torch.float64)})
@@ -250,7 +262,12 @@ class DynamicDetectors:
         samples = w.count.clamp(max=w.size)
         eligible = (samples >= MIN_SAMPLES) & ~(w.last("nonfinite") > 0)   # NaN/Inf: non-finite says it
         valid = w.valid()
-        constant = eligible & (w.last("numel") > 1) & ((w.buf["std"] == 0) | ~valid).all(0)
+        # flat (no spread over more than one value) in every sample of the window, at the same call; an output of
+        # one value per call is one unit: constant when that value stayed the same over MIN_UNIT_VALUES calls
+        flat = flat_in_every_sample(w.buf["flat"], valid)
+        one_value = (samples >= MIN_UNIT_VALUES) & (((w.buf["numel"] == 1) & (w.buf["mean"] == w.last("mean")))
+                                                    | ~valid).all(0)
+        constant = eligible & ((flat > 0) | one_value)
         dead = w.last("dead")
         dead_layer = eligible & ~constant & (dead >= DEAD_LAYER)
         dead_units = eligible & ~constant & (dead >= DEAD_UNITS) & (dead < DEAD_LAYER)
@@ -263,13 +280,14 @@ class DynamicDetectors:
         wrappers = self._wrappers((constant | dead_layer | dead_units).nonzero().flatten().tolist(), view)
         judged = {mid: self._enough_for_dead(mid, bool(constant[mid]), _drop_probability(view, mid))
                   for mid in flagged if view.has_module(mid)}
+        self.sites.judge(flagged, constant, flat)
         # a dropout whose input is flagged shows its input's dead units: reported at the activation that kills them
         dropouts = [m for m in flagged if judged.get(m) is not None and m not in wrappers and _drops_at_random(view, m)]
         if dropouts:
             shown = {m for m in flagged if bool(constant[m] | dead_layer[m] | dead_units[m])}
             preceding = self._preceding(wrappers, view)
             for m in dropouts:
-                if preceding(m) in shown:
+                if self.sites.judged_in(preceding(m), shown):
                     judged[m] = None
         # an unjudged dropout passes a dead input on (zeros stay zeros): a link of the chain
         dead_inputs = self._dead_inputs(
@@ -289,14 +307,16 @@ class DynamicDetectors:
                   "std": last_std, "type": typ}
             link = dead_inputs.get(mid)
             dead_input = (view.module_path(link[0]), view.module_path(link[1])) if link is not None else None
+            call, mean = self.sites.judged(mid) or (None, _opt(w.last("mean")[mid]))
+            ev |= {"call": call[0] + 1, "calls": call[1]} if call is not None else {}
             if dead_judged is None or mid in wrappers:
                 pass
             elif constant[mid]:
-                out.append(DeadLayer.constant(path, typ, _opt(w.last("mean")[mid]), n, ev, step, dead_input))
+                out.append(DeadLayer.constant(path, typ, mean, n, ev, step, dead_input, call))
             elif dead_layer[mid]:
-                out.append(DeadLayer.build(path, typ, float(dead[mid]), n, ev, step, dead_input))
+                out.append(DeadLayer.build(path, typ, float(dead[mid]), n, ev, step, dead_input, call))
             elif dead_units[mid]:
-                out.append(DeadUnits.build(path, typ, float(dead[mid]), n, ev, step, dead_input))
+                out.append(DeadUnits.build(path, typ, float(dead[mid]), n, ev, step, dead_input, call))
             # the activation itself: the wrappers returning its very output share its statistics
             kind = view.saturation.get(mid) if saturated[mid] else None
             if kind:
@@ -318,7 +338,9 @@ class DynamicDetectors:
         last = {f: self.modules.last(f) for f in ("dead", "numel", "std", "mean")}
 
         def same(a: int, b: int) -> bool:
-            return all(bool(v[a] == v[b]) or bool(torch.isnan(v[a]) and torch.isnan(v[b])) for v in last.values())
+            rows = self.sites.rows(b) or [torch.stack([v[b] for v in last.values()])]   # or one of b's calls
+            mine = torch.stack([v[a] for v in last.values()])
+            return any(bool(((mine == r) | (torch.isnan(mine) & torch.isnan(r))).all()) for r in rows)
 
         out: set[int] = set()
         for mid in mids:
@@ -339,7 +361,8 @@ class DynamicDetectors:
         started in the latest sampled step's execution order (a wrapper returning its child's output: that child) is
         one of ``dead`` (dead or constant, reported). What is dead because its input is dead is a consequence of the
         first dead layer, in execution order; one whose input is alive (the previous module is not dead) is a root.
-        Only the rare step that flags two dead modules pays for the order."""
+        A module called several times a step is dead in the call judged (CallSites), which is where it stands in
+        the order. Only the rare step that flags two dead modules pays for the order."""
         if not dead or len(reported) < 2:
             return {}
         before = self._preceding(wrappers, view)
@@ -347,19 +370,20 @@ class DynamicDetectors:
         chain: dict[int, tuple[int, int]] = {}
         for mid in sorted((m for m in {*reported, *dead} if m in at), key=at.__getitem__):
             prev = before(mid)
-            if prev is not None and prev in dead and prev != mid:
-                chain[mid] = (prev, chain[prev][1] if prev in chain else prev)
+            if prev is not None and prev[0] != mid and self.sites.judged_in(prev, dead):
+                chain[mid] = (prev[0], chain[prev[0]][1] if prev[0] in chain else prev[0])
         shown = set(reported)       # the first dead layer must be reported (not a dropout, not a wrapper)
         return {m: link for m in reported if (link := chain.get(m)) is not None and link[1] in shown}
 
-    def _preceding(self, wrappers: set[int], view: ModelView) -> Callable[[int], int | None]:
-        """The module whose output is a module's input: the one that ended last before it started in the latest
-        sampled step's execution order (its own children excluded; a wrapper returning its child's output: that
-        child), None when unknown. Made only when a step flags a dropout or two dead modules."""
+    def _preceding(self, wrappers: set[int], view: ModelView) -> Callable[[int], tuple[int, int] | None]:
+        """The module whose output is a module's input, and which of its calls: the one that ended last before it
+        started in the latest sampled step's execution order (its own children excluded; a wrapper returning its
+        child's output: that child), None when unknown; a module called several times starts where its judged call
+        (CallSites, else its first) does. Made only when a step flags a dropout or two dead modules."""
         if self._orders is None:
             self._orders = dict(zip(*self._latest, strict=False))
-        seq = sorted((o, m) for m, o in self._orders.items())
-        at = self._at = {m: i for i, (_, m) in enumerate(seq)}
+        seq, at = self.sites.sequence(self._orders)
+        self._at = at
 
         def inside(mid: int, ancestor: int) -> bool:
             node, seen = view.modules.get(mid), set()
@@ -370,7 +394,7 @@ class DynamicDetectors:
                 node = view.modules.get(node.parent_id)
             return False
 
-        def before(mid: int) -> int | None:
+        def before(mid: int) -> tuple[int, int] | None:
             if mid not in at:
                 return None
             i = at[mid] - 1
@@ -378,15 +402,15 @@ class DynamicDetectors:
                 i -= 1
             while i >= 0 and seq[i][1] in wrappers:       # a wrapper's output is its last child's
                 i -= 1
-            return seq[i][1] if i >= 0 else None
+            return (seq[i][1], seq[i][2]) if i >= 0 else None
 
         return before
 
     def _enough_for_dead(self, mid: int, constant: bool = False, drop: _Drop | None = None) -> int | None:
         """The module's calls within the window its unit activity covers (the last ``window`` sampled steps), when
-        they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or a module
-        called in some of those steps only whose outputs held fewer than SPARSE_ROWS values per unit (the first call
-        of each step counted), or a dropout
+        they are evidence enough that a unit never activates; None when not: fewer than MIN_SAMPLES, or outputs that
+        held fewer than MIN_UNIT_VALUES values per unit over them (SPARSE_ROWS for a module called in some of those
+        steps only; the judged call of each step counted), or a dropout
         training (``drop``) under which a live unit's values may all have been dropped (chance DROPPED_ALL or more).
         A ``constant`` output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
         c = self.calls
@@ -400,8 +424,6 @@ class DynamicDetectors:
         if constant:
             return n
         every_step = n >= min(self.window, self.samples)      # called in every sampled step of the window
-        if every_step and drop is None:
-            return n
         sizes = [int(v) for v in numel[inside].tolist() if v > 0]
         if not sizes:
             return None
@@ -410,7 +432,7 @@ class DynamicDetectors:
         bound = sum(sizes) // math.gcd(*sizes)
         per_unit = [int(v) for v in c.buf["per_unit"][:, mid][inside].tolist()]
         rows = sum(per_unit) if all(v > 0 for v in per_unit) else bound    # exactly, where the layouts tell
-        if not every_step and rows < SPARSE_ROWS:
+        if rows < (MIN_UNIT_VALUES if every_step else SPARSE_ROWS):
             return None
         if drop is not None:
             # independent draws per unit: each value (Dropout), else at least one per call (a channel or a sample).
