@@ -468,7 +468,7 @@ class Watcher:
         self._writer.submit(ops)                    # a full queue drops it (counted by the writer)
         self._maybe_rebuild()
         self._writer.submit(self._evaluator.evaluate(decoded, self._index, self._runtime.sightings(),
-                                                     bool(self._optimizers)), droppable=False)
+                                                     bool(self._optimizers), self._optimizers), droppable=False)
 
     def _publish(self, step: int, sampled: bool) -> None:
         self._writer.submit(self._evaluator.publish(step, self._index, self._runtime.sightings(), sampled),

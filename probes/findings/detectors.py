@@ -54,7 +54,8 @@ from ..model.structure import drops_at_random
 from . import not_moving
 from .call_sites import CallSites, flat_in_every_sample
 from .finding import Finding
-from .rules import DeadLayer, DeadUnits, GradAccumulating, NotUpdating, Saturated, TinyLearningRate
+from .rules import DeadLayer, DeadUnits, GradAccumulating, Saturated
+from .update_size import UpdateRule, no_rules
 
 DEAD_LAYER = 0.90
 DEAD_UNITS = 0.25
@@ -246,12 +247,14 @@ class DynamicDetectors:
         if arr:
             self.arrivals.observe(*_rows(t.tensor_ids, arr, {"stale": t.stale_grad_norm, "grad": t.grad_norm}))
 
-    def evaluate(self, view: ModelView, step: int, optimizer_stepped: bool) -> list[Finding]:
+    def evaluate(self, view: ModelView, step: int, optimizer_stepped: bool,
+                 update_rules: Callable[[tuple[int, int]], UpdateRule | None] = no_rules) -> list[Finding]:
         """The findings about states (dead units, saturation, tensors that do not update or accumulate
-        gradients) the windows show now. Events (modes, NaN/Inf, bypassed forwards) are the EventBook's."""
+        gradients) the windows show now. Events (modes, NaN/Inf, bypassed forwards) are the EventBook's.
+        ``update_rules``: a param group's update rule (update_size.py), from the optimizer's settings."""
         out = self._activations(step, view)
         if optimizer_stepped:
-            out += self._not_updating(step, view)
+            out += self._not_updating(step, view, update_rules)
         out += self._accumulating(step, view)
         return out
 
@@ -463,7 +466,8 @@ class DynamicDetectors:
             node = view.modules.get(node.parent_id)
         return not any(orders.get(m, -1) > order for m in trained if m not in ancestors)
 
-    def _not_updating(self, step: int, view: ModelView) -> list[Finding]:
+    def _not_updating(self, step: int, view: ModelView,
+                      update_rules: Callable[[tuple[int, int]], UpdateRule | None]) -> list[Finding]:
         w = self.updates
         if not w.count.numel():
             return []
@@ -472,22 +476,9 @@ class DynamicDetectors:
             grad, data = w.last("grad", k), w.last("data", k)
             rule &= (w.last("arrived", k) == 1) & torch.isfinite(grad) & (grad > 0) & (w.last("update", k) == 0)
             rule &= grad > NEGLIGIBLE_GRAD * torch.nan_to_num(data, nan=0.0)
-        out = []
-        for tid in rule.nonzero().flatten().tolist():
-            if not view.tensor_known(tid):
-                continue
-            steps = [int(w.last("step", k)[tid]) for k in reversed(range(NOT_UPDATING_STEPS))]
-            # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
-            lrs = [float(w.last("lr", k)[tid]) for k in range(NOT_UPDATING_STEPS)]
-            zero_lr = all(lr == 0.0 for lr in lrs)
-            node = view.tensors.get(tid)
-            tiny = None if zero_lr or node is None else _tiny_lr(lrs, float(w.last("data")[tid]),
-                                                                 float(w.last("grad")[tid]), node)
-            out.append(NotUpdating.build(view.tensor_path(tid), float(w.last("grad")[tid]), steps,
-                                             view.tensor_in_optimizer(tid), step,
-                                             view.tensor_group(tid) if zero_lr or tiny else None,
-                                             node.dtype if node is not None else None, tiny_lr=tiny))
         plain = set(rule.nonzero().flatten().tolist())
+        out = not_moving.unchanged(w, [t for t in sorted(plain) if view.tensor_known(t)], view, step,
+                                   NOT_UPDATING_STEPS, update_rules)
         return out + not_moving.not_moving(w, self.quiet, view, step, NOT_UPDATING_STEPS, plain.__contains__)
 
     def _accumulating(self, step: int, view: ModelView) -> list[Finding]:
@@ -537,29 +528,6 @@ class DynamicDetectors:
                 opts, max(view.n_optimizers, len(opts)), [view.tensor_path(t) for o in opts for t in held[o]],
                 sum(never_zeroed.values()), step))
         return out
-
-
-# the relative spacing of the floating types a tensor is updated in: float32's for the low-precision ones too (the
-# master weights of mixed precision), whose own rounding the not-updating message names apart
-_EPS = {"float64": 2.0 ** -52}
-_EPS32 = 2.0 ** -23
-
-
-def _tiny_lr(lrs: Sequence[float], data_norm: float, grad_norm: float, node: _TensorNode
-             ) -> TinyLearningRate | None:
-    """The learning rate as why a tensor did not change, when in every one of the steps (``lrs``) an optimizer step
-    of lr x max(1, the gradient's rms) per value (Adam's is about lr, SGD's lr x the gradient) is below half the spacing
-    of float32 (float64) numbers at the tensor's rms: rounded away whatever the optimizer. A scheduler that decayed it
-    (StepLR stepped per batch) does that; an lr of 1e-6 moves a weight of 1."""
-    numel = node.numel
-    if numel <= 0 or not (math.isfinite(data_norm) and data_norm > 0 and math.isfinite(grad_norm)):
-        return None
-    rms = data_norm / math.sqrt(numel)
-    spacing = math.ldexp(_EPS.get(node.dtype, _EPS32), math.frexp(rms)[1] - 1)   # between the numbers at rms
-    step = max(1.0, grad_norm / math.sqrt(numel))
-    if not all(math.isfinite(lr) and lr > 0 and lr * step < spacing / 2 for lr in lrs):
-        return None
-    return TinyLearningRate(lrs[0], rms, spacing, "float64" if node.dtype == "float64" else "float32")
 
 
 def _drops_at_random(view: ModelView, mid: int) -> bool:

@@ -27,6 +27,7 @@ from ..model.structure import ModuleNode
 from ..schema import FindingCode, Severity
 from ..store import records
 from ..store.records import Op
+from . import update_size
 from .causes import assign_causes
 from .detectors import BypassCandidate, DynamicDetectors, GradlessCandidate
 from .events import EventBook, SampledEvents
@@ -107,8 +108,9 @@ class Evaluator:
         return DecodedStep(step, rec, modules, tensors, norms), ops
 
     def evaluate(self, decoded: DecodedStep, index: ModelIndex, runtime: Sequence[RuntimeSighting],
-                 optimizers_watched: bool) -> list[Op]:
-        """The findings after a sampled step."""
+                 optimizers_watched: bool, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[Op]:
+        """The findings after a sampled step; ``optimizers``: the watched ones, in the index's order (their param
+        groups' settings say how far a step moves a value)."""
         step, rec = decoded.step, decoded.record
         self.events.observe_sample(SampledEvents(
             step=step, modes=rec.modes, agreed=rec.agreed,
@@ -119,7 +121,7 @@ class Evaluator:
             bad_grads=[t for t in decoded.tensors.nonfinite_grads() if index.tensor_known(t)],
             optimizer_skipped=optimizers_watched and not rec.optimizer_stepped,
             stepped=frozenset(rec.stepped), frozen_blocks=decoded.frozen_blocks), index)
-        self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped)
+        self.dynamic = self.detectors.evaluate(index, step, rec.optimizer_stepped, update_size.group_rules(optimizers))
         if rec.optimizer_stepped and rec.arrived:
             self._count_orphans(rec, rec.index or index)
         return self.publish(step, index, runtime, sampled=True)

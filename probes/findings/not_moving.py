@@ -1,6 +1,12 @@
-"""Parameters that do not move, beyond the plain ``not-updating`` rule (a gradient arrives, the optimizer step leaves
-the value unchanged: detectors.py). Every way a training loop leaves a parameter the optimizer holds without a
-learning update is a ``not-updating`` finding that says which way (built by :class:`probes.findings.rules.NotUpdating`):
+"""Parameters that do not move. Every way a training loop leaves a parameter without a learning update is a
+``not-updating`` finding that says which way (built by :class:`probes.findings.rules.NotUpdating`):
+
+- **unchanged**: a gradient arrives and the optimizer step leaves the value unchanged (the plain rule, whose window
+  is detectors.py's): see :func:`unchanged`. Its param group's lr is 0, or so small that an update of about lr per
+  value rounds away (a scheduler decayed it); no optimizer holds it; it is bfloat16/float16, whose precision rounds
+  the update away (each an error); or the update its optimizer makes of a small gradient is below half the spacing
+  of its float32 numbers (:mod:`probes.findings.update_size`): stepped, not broken, an info (a warning when so of
+  every tensor of the optimizer a gradient reached). Otherwise an error that says the optimizer did not change it.
 
 - **zero gradient**: ``.grad`` is exactly zero at the optimizer step (after a gradient arrived) in the last
   NOT_UPDATING_STEPS observed steps, none of them the first a tensor was observed in (a zero-initialised gate, as
@@ -31,13 +37,15 @@ holds is ``not-in-optimizer`` or ``unregistered-tensor``, with ``not-updating`` 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
+from . import update_size
 from .finding import Finding
-from .rules.not_updating import NotUpdating, Tensors
+from .rules.not_updating import NotUpdating, RoundedAway, Tensors
+from .update_size import UpdateRule
 
 EVERY = 0.9                   # this share of the tensors a gradient reached: every one (the loop's doing)
 REACHED = -(2 ** 30)          # a tensor a gradient reached once: never "no gradient at all"
@@ -57,9 +65,20 @@ class UpdateWindow(Protocol):
     def last(self, field: str, back: int = 0) -> torch.Tensor: ...
 
 
+class _TensorNode(Protocol):
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def numel(self) -> int: ...
+
+
 class TensorView(Protocol):
     @property
     def trained_tensors(self) -> frozenset[int]: ...
+    @property
+    def tensors(self) -> Mapping[int, _TensorNode]: ...
+
+    def tensor_in_optimizer(self, tensor_id: int) -> bool: ...
 
     def tensor_known(self, tensor_id: int) -> bool: ...
     def tensor_path(self, tensor_id: int) -> str: ...
@@ -70,6 +89,51 @@ def quiet_steps(arrived: torch.Tensor, update: torch.Tensor, before: torch.Tenso
     """Observed optimizer steps without a gradient arriving or the value changing, since the tensor was first observed
     (REACHED, far below zero, once either happened)."""
     return torch.where((arrived == 0) & (update == 0), before + 1, torch.full_like(before, REACHED))
+
+
+# the types whose own precision rounds an update away (their message says so), not the float32 spacing
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+def unchanged(w: UpdateWindow, ids: Sequence[int], view: TensorView, step: int, n: int,
+              rules: Callable[[tuple[int, int]], UpdateRule | None]) -> list[Finding]:
+    """The plain rule's findings: ``ids`` received a gradient and did not change in the last ``n`` observed optimizer
+    steps; ``rules``: the update rule of a param group (optimizer, group), from its settings."""
+    out: list[Finding] = []
+    below: list[tuple[int, RoundedAway, tuple[int, int]]] = []
+    for tid in ids:
+        # a learning rate of 0 in every one of the steps (not a warmup's single first step) says why
+        lrs = [float(w.last("lr", k)[tid]) for k in range(n)]
+        zero_lr = all(lr == 0.0 for lr in lrs)
+        node, group = view.tensors.get(tid), view.tensor_group(tid)
+        rounded = None
+        if not zero_lr and node is not None:
+            rounded = update_size.rounded_away(lrs, [float(w.last("grad", k)[tid]) for k in range(n)],
+                                               [float(w.last("data", k)[tid]) for k in range(n)],
+                                               [int(w.last("step", k)[tid]) + 1 for k in range(n)], node.numel,
+                                               node.dtype, rules(group) if group is not None else None)
+        if rounded is not None and not rounded.by_lr:      # the optimizer's update of a small gradient
+            if group is not None and node is not None and node.dtype not in _LOW_PRECISION:
+                below.append((tid, rounded, group))
+                continue
+            rounded = None
+        out.append(NotUpdating.build(view.tensor_path(tid), float(w.last("grad")[tid]), _step_list(w, tid, n),
+                                     view.tensor_in_optimizer(tid), step, group if zero_lr or rounded else None,
+                                     node.dtype if node is not None else None, tiny_lr=rounded))
+    if below:
+        reached = Counter(_optimizer(view, t) for t in (w.last("arrived") == 1).nonzero().flatten().tolist()
+                          if t in view.trained_tensors and view.tensor_known(t))
+        per_opt = Counter(group[0] for _, _, group in below)
+        out += [NotUpdating.below_spacing(
+                    view.tensor_path(tid), float(w.last("grad")[tid]), _step_list(w, tid, n), group,
+                    view.tensors[tid].dtype, rounded, step,
+                    every=per_opt[group[0]] > 1 and per_opt[group[0]] >= EVERY * reached.get(group[0], 0))
+                for tid, rounded, group in below]
+    return out
+
+
+def _step_list(w: UpdateWindow, tid: int, n: int) -> list[int]:
+    return [int(w.last("step", k)[tid]) for k in reversed(range(n))]
 
 
 def not_moving(w: UpdateWindow, quiet: torch.Tensor, view: TensorView, step: int, n: int,

@@ -19,7 +19,7 @@ from .grad_accumulating import GradAccumulating
 from .no_gradient import NoGradient
 from .non_finite import NonFinite, NonFiniteOrigin
 from .not_in_optimizer import NotInOptimizer
-from .not_updating import NotUpdating, Tensors, TinyLearningRate
+from .not_updating import NotUpdating, RoundedAway, Tensors
 from .rank_divergence import RankDivergence
 from .rank_straggler import RankStraggler
 from .saturated import Saturated
@@ -43,7 +43,7 @@ RULES: tuple[type[Rule], ...] = (
 __all__ = ["RULES", "CheckpointKeys", "DeadLayer", "DeadUnits", "EvalBuildsGraph", "Explains", "ForwardBypassed",
            "FrozenParameter", "GradAccumulating", "HeldModule", "LoadResult", "NoGradient", "NonFinite",
            "NonFiniteOrigin", "NotInOptimizer", "NotUpdating", "RankDivergence", "RankStraggler", "Reads", "Relation",
-           "Rule", "Saturated", "SharedParameter", "StaleOptimizerParam", "Tensors", "TinyLearningRate",
+           "RoundedAway", "Rule", "Saturated", "SharedParameter", "StaleOptimizerParam", "Tensors",
            "TrainModeUnderNoGrad", "TrainStepInEvalMode", "TrainingModeKind", "TrainingModeMismatch",
            "UnregisteredModule", "UnregisteredTensor", "rule_for"]
 

@@ -16,15 +16,20 @@ _PRECISION_BITS = {"bfloat16": 8, "float16": 11}
 
 
 @dataclasses.dataclass(frozen=True)
-class TinyLearningRate:
-    """A learning rate so small that an optimizer step rounds away: about lr per value is below half the spacing of
-    the ``reference`` floating type at the tensor's ``rms``."""
+class RoundedAway:
+    """An optimizer step that rounds away: the update of about ``update`` per value (``estimate`` says how it is
+    estimated) is below half the spacing of the ``reference`` floating type at the tensor's ``rms``. ``by_lr``: the
+    learning rate is why (even a step of about lr per value rounds away); else the optimizer's update of a small
+    gradient is (:mod:`probes.findings.update_size`)."""
 
     lr: float                      # the latest step's
     rms: float
     spacing: float
     reference: str                 # 'float32' | 'float64'
-
+    update: float = 0.0
+    grad_rms: float = 0.0
+    by_lr: bool = True
+    estimate: str = ""
 
 @dataclasses.dataclass(frozen=True)
 class Tensors:
@@ -64,12 +69,18 @@ class NotUpdating(Rule):
     code = FindingCode.NOT_UPDATING
     reads = Reads.SAMPLES
     severities = ("error (a warning for a tensor no gradient ever reaches; an info for a zero gradient on a few "
-                  "tensors)")
+                  "tensors, and for an update below the float32 spacing, a warning when so for every tensor an "
+                  "optimizer steps)")
     meaning = (
         "a tensor receives gradients but its value did not change over the last 2 observed optimizer steps; the "
         "message says why when it can: its param group's lr is 0, or so small (a scheduler decayed it) that a step "
         "of lr × max(1, the gradient's rms) per value is below half the spacing of float32 numbers at the tensor's "
-        "rms in both steps; for a bfloat16/float16 tensor that its precision rounds the update away. Also, for a "
+        "rms in both steps; for a bfloat16/float16 tensor that its precision rounds the update away; and, for a "
+        "tensor an SGD or Adam-like optimizer steps, when the update that optimizer makes of its gradient (SGD: "
+        "lr × (the gradient's rms + weight decay × the values'), the step of this gradient; Adam: lr × g / (g + eps), "
+        "plus decoupled decay) is below half that spacing in both steps: nothing is broken, it learns more slowly "
+        "than float32 can show (a conv's bias before BatchNorm, a branch behind a zero-initialised layer, with SGD "
+        "at a small lr), an info. Also, for a "
         "parameter a watched optimizer steps (`probes/findings/not_moving.py`): a gradient arrived but `.grad` is "
         "None at the step in the last 2 observed steps (`zero_grad()` between `backward()` and `step()`); `.grad` "
         "exactly zero at the step in the last 2 after its first (moved by weight decay or momentum alone, or not at "
@@ -84,7 +95,7 @@ class NotUpdating(Rule):
     @staticmethod
     def build(path: str, grad_norm: float, steps: Sequence[int], in_optimizer: bool, step: int,
               zero_lr_group: tuple[int, int] | None = None, dtype: str | None = None,
-              tiny_lr: TinyLearningRate | None = None) -> Finding:
+              tiny_lr: RoundedAway | None = None) -> Finding:
         """``zero_lr_group``: (optimizer, param group) whose learning rate was 0 (or, with ``tiny_lr``, so small that a
         step rounds away) in every one of ``steps``; ``dtype``: the tensor's."""
         fix = None
@@ -120,6 +131,36 @@ class NotUpdating(Rule):
                     f"{path} receives gradients (norm {grad_norm:.3g}) but its value did not change over the last "
                     f"{len(steps)} observed optimizer steps: {reason}. A gradient only proves autograd reached it.",
                     evidence=evidence, seen=Seen(step), fix=fix)
+
+    @staticmethod
+    def below_spacing(path: str, grad_norm: float, steps: Sequence[int], group: tuple[int, int], dtype: str,
+                      rounded: RoundedAway, step: int, every: bool) -> Finding:
+        """The optimizer stepped it, and its update (``rounded``, not ``by_lr``) is below half the spacing of its
+        numbers in every one of ``steps``: an info; a warning when ``every`` tensor its optimizer steps that a
+        gradient reached is so (nothing of the model learns)."""
+        r, (opt, param_group) = rounded, group
+        where = f"param group {param_group}" + (f" of optimizer {opt}" if opt else "")
+        every_text = (" So is every tensor its optimizer steps that a gradient reached: the model does not learn "
+                      "at this lr (a loss scaled far down, an lr far too small for SGD)." if every else "")
+        return make(FindingCode.NOT_UPDATING, path,
+                    f"{path} receives gradients (norm {grad_norm:.3g}) and the optimizer steps it, but its value did "
+                    f"not change over the last {len(steps)} observed optimizer steps: its update is below the "
+                    f"{r.reference} spacing at its values. An update of about {r.update:.2g} per value ({r.estimate}; "
+                    f"lr {r.lr:.1e} of its {where}, the gradient's rms {r.grad_rms:.2g}) is below half the spacing of "
+                    f"{r.reference} numbers at its values (rms {r.rms:.2g}: spacing {r.spacing:.2g}), so each step "
+                    f"rounds to the same value. Nothing is broken: it learns more slowly than {r.reference} can "
+                    "show. A gradient this small comes from a bias before a normalisation that removes it (a conv's "
+                    "bias before BatchNorm) or a branch behind a zero-initialised layer (ControlNet's zero "
+                    f"convolutions) early in training.{every_text}",
+                    evidence={"grad_norm": grad_norm, "steps": list(steps), "in_optimizer": True, "dtype": dtype,
+                              "optimizer": opt, "param_group": param_group, "lr": r.lr,
+                              "reason": "below-spacing", "update_per_value": r.update, "spacing": r.spacing,
+                              "rms": r.rms, "grad_rms": r.grad_rms, "reference": r.reference,
+                              "estimate": r.estimate, "every_tensor": every},
+                    severity=Severity.WARNING if every else Severity.INFO, seen=Seen(step),
+                    fix="Nothing needs fixing if it may learn slowly. To make it move: drop a bias a normalisation "
+                        "removes (bias=False before BatchNorm); give its param group a larger lr, or use Adam/AdamW, "
+                        "whose step is about lr per value whatever the gradient's size.")
 
     @staticmethod
     def zero_gradient(what: Tensors, steps: Sequence[int], moved: bool, step: int, every: bool) -> Finding:
