@@ -90,8 +90,10 @@ class BypassCandidate:
     # a child of one of them was called through __call__: their .forward() was called directly. Otherwise (a leaf
     # module) its parameters may as well have been read directly (module.weight)
     forward_called: bool = True
-    # ... and it is an embedding table, often kept only to hold its weight (DETR's queries, a sliced position table)
-    table: bool = False
+    # why that is likely by design: "table" (an embedding table, often kept only to hold its weight: DETR's queries,
+    # a sliced position table), "read-by-parent" (the module around it was called: its forward read the weights
+    # itself, a functional call), or ""
+    by_design: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import itertools
 import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -216,8 +217,10 @@ def bypass_candidates(rec: StepRecord, index: ModelIndex) -> list[BypassCandidat
                 parents_of_called = {node.parent_id for m in calls if (node := index.modules.get(m)) is not None
                                      and node.parent_id is not None}
             forward_called = any(m in parents_of_called for m in owners)
-            table = not forward_called and all(_is_table(index.modules.get(m)) for m in owners)
-            out.append(BypassCandidate(arrived[i], owners, forward_called, table))
+            by_design = "" if forward_called else (
+                "table" if all(_is_table(index.modules.get(m)) for m in owners)
+                else "read-by-parent" if any(_parent_called(index, m, calls) for m in owners) else "")
+            out.append(BypassCandidate(arrived[i], owners, forward_called, by_design))
     return out
 
 
@@ -248,6 +251,15 @@ def _inside_script(index: ModelIndex, module_id: int) -> bool:
         if node is not None and isinstance(node.module, torch.jit.ScriptModule):
             return True
     return False
+
+
+def _parent_called(index: ModelIndex, module_id: int, calls: Mapping[int, Any]) -> bool:
+    """Whether the module around leaf ``module_id`` was called: its forward then read the leaf's weights itself (a
+    functional call, as torchvision's Swin attention passes ``qkv.weight`` to ``F.linear``)."""
+    node = index.modules.get(module_id)
+    # not the model itself: `self.proj.forward(x)` in the model's own forward is the bypass this rule is for
+    return (node is not None and node.parent_id is not None and node.parent_id != index.root_id
+            and bool(calls.get(node.parent_id)))
 
 
 def _is_table(node: ModuleNode | None) -> bool:

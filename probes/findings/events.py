@@ -309,7 +309,7 @@ class EventBook:
             if view.tensor_known(tid):
                 names = [display_path(view.module_path(m)) for m in owners]
                 out.append(ForwardBypassed.build(view.module_path(owners[0]), view.tensor_path(tid), names,
-                                                     o.first, o.last, o.count, c.forward_called, c.table))
+                                                     o.first, o.last, o.count, c.forward_called, c.by_design))
         by_module: dict[int, list[tuple[int, Occurrence]]] = {}
         for tid, (o, ran) in self._gradless.items():
             if o.count >= GRADLESS_SAMPLES and view.tensor_known(tid) and view.has_module(ran[0]):

@@ -44,12 +44,13 @@ def structural_findings(s: ModelStructure, step: int | None = None) -> list[Find
     modules = {n.module_id: n for n in s.modules}
     averaged = averaged_copy_ids(s)
     out += UnregisteredModule.in_attributes_of(held_modules(s, modules), step)
+    model_devices = sorted({t.device for t in s.tensors if t.kind != TensorKind.TENSOR})
     for t in s.tensors:
         owner_kind = modules[t.module_id].kind if t.module_id is not None else ModuleKind.REGISTERED
         if t.kind == TensorKind.TENSOR and owner_kind == ModuleKind.REGISTERED:
             out.append(UnregisteredTensor.build(t.path, is_parameter=t.is_parameter,
                                                     requires_grad=t.requires_grad, shape=t.shape, dtype=t.dtype,
-                                                    device=t.device, step=step))
+                                                    device=t.device, step=step, model_devices=model_devices))
         if t.kind == TensorKind.PARAMETER:
             if not t.requires_grad:
                 pass                       # frozen_findings

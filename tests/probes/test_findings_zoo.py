@@ -70,16 +70,23 @@ def test_audit_adapter_model_matches_the_chapter():
     assert not any(f.path == "positions" for fs in found.values() for f in fs)
 
 
-def test_unregistered_tensor_without_grad_is_a_warning():
+def test_unregistered_tensor_without_grad_is_an_info_until_to_leaves_it_behind():
+    """A constant kept as a plain tensor (torchvision's AnchorGenerator keeps its cell anchors so, moving them at use)
+    is an info; once .to() moved the model and left the tensor on another device, a warning."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(2, 2)
             self.scale = torch.ones(2)
             self.cache = {"k": torch.zeros(3)}
-    found = {(f.code, f.path): f.severity for f in probes.audit(M())}
-    assert found[("unregistered-tensor", "scale")] == "warning"
-    assert found[("unregistered-tensor", "cache['k']")] == "warning"
+    model = M()
+    found = {(f.code, f.path): f.severity for f in probes.audit(model)}
+    assert found[("unregistered-tensor", "scale")] == "info"
+    assert found[("unregistered-tensor", "cache['k']")] == "info"
+    model.to("meta")
+    found = {(f.code, f.path): f for f in probes.audit(model)}
+    assert found[("unregistered-tensor", "scale")].severity == "warning"
+    assert "on cpu while the model is on meta" in found[("unregistered-tensor", "scale")].message
 
 
 def test_containers_of_any_depth_and_cycles():

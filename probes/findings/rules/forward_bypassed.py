@@ -13,8 +13,9 @@ class ForwardBypassed(Rule):
     code = FindingCode.FORWARD_BYPASSED
     reads = Reads.EVENTS
     severities = (
-        "warning (event; info for an `nn.Embedding` table read directly, as DETR's queries or sliced position tables "
-        "are)")
+        "warning (event; info for a leaf module whose weights the module around it reads itself, a functional call as "
+        "torchvision's Swin attention makes with `qkv.weight`, and for an `nn.Embedding` table read directly, as "
+        "DETR's queries or sliced position tables are)")
     meaning = (
         "a module's parameters got gradients in a step in which it was never called through `__call__`: its "
         "`.forward()` was called directly (certain when its children ran without it), or, for a leaf module, its "
@@ -25,7 +26,7 @@ class ForwardBypassed(Rule):
 
     @staticmethod
     def build(module_path: str, tensor_path: str, modules: Sequence[str], first_step: int, step: int,
-              count: int, forward_called: bool = True, table: bool = False) -> Finding:
+              count: int, forward_called: bool = True, by_design: str = "") -> Finding:
         """``forward_called``: the module's children were called and it was not, so its .forward() was called
         directly. Otherwise (a leaf module) its parameters may as well have been read directly; for an embedding table
         that is usually by design (DETR's query embeddings, a position table sliced in forward): an info."""
@@ -35,10 +36,16 @@ class ForwardBypassed(Rule):
         else:
             how = ("its .forward() was called directly or its parameters were read directly (module.weight, a "
                    "functional call), so its hooks (pruning masks, probes, FSDP's unsharding) did not run")
-            if table:
+            if by_design == "table":
                 how += "; expected for a table kept to hold its weight"
+            elif by_design == "read-by-parent":
+                how += ("; the module around it was called, so its forward most likely read the weights itself (a "
+                        "functional call such as F.linear(x, self.qkv.weight), as torchvision's Swin attention does): "
+                        "by design unless you rely on hooks of this module")
         return make(FindingCode.FORWARD_BYPASSED, module_path,
                     f"{tensor_path} received a gradient in step {step}, but its module {modules[0]} was never called "
                     f"through __call__ in that step: {how} ({seen}).",
-                    evidence={"parameter": tensor_path, "modules": list(modules), "forward_called": forward_called},
-                    severity=Severity.INFO if table else None, seen=Seen(step, first_step=first_step, count=count))
+                    evidence={"parameter": tensor_path, "modules": list(modules), "forward_called": forward_called,
+                              "by_design": by_design or None},
+                    severity=Severity.INFO if by_design else None,
+                    seen=Seen(step, first_step=first_step, count=count))
