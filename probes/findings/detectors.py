@@ -270,9 +270,11 @@ class DynamicDetectors:
         # flat (no spread over more than one value) in every sample of the window, at the same call; an output of
         # one value per call is one unit: constant when that value stayed the same over MIN_UNIT_VALUES calls
         flat = flat_in_every_sample(w.buf["flat"], valid)
-        one_value = (samples >= MIN_UNIT_VALUES) & (((w.buf["numel"] == 1) & (w.buf["mean"] == w.last("mean")))
-                                                    | ~valid).all(0)
-        constant = eligible & ((flat > 0) | one_value)
+        same_value = ((w.buf["mean"] == w.last("mean")) | ~valid).all(0)
+        one_value = (samples >= MIN_UNIT_VALUES) & ((w.buf["numel"] == 1) | ~valid).all(0) & same_value
+        # and the same value in every sample: a zero-initialised gate or modulation (NFNet's and DiT's, a
+        # ControlNet's zero convolutions) starts flat and moves as it learns
+        constant = eligible & (((flat > 0) & same_value) | one_value)
         dead = w.last("dead")
         dead_layer = eligible & ~constant & (dead >= DEAD_LAYER)
         dead_units = eligible & ~constant & (dead >= DEAD_UNITS) & (dead < DEAD_LAYER)

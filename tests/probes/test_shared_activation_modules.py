@@ -35,7 +35,8 @@ def dead(run_dir, dead_bn: str | None, every: int | None) -> dict:
     g = torch.Generator().manual_seed(0)
     with probes.watch(model, opt, run_dir=run_dir, every=every) as w:
         for _ in range(4):
-            loss = F.cross_entropy(model(torch.randn(8, 3, 16, 16, generator=g)), torch.randint(0, 10, (8,), generator=g))
+            x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+            loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()

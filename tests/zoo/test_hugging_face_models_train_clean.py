@@ -1,0 +1,16 @@
+"""transformers, diffusers and peft models built from small configs (nothing downloaded) train a few steps
+watched with every step sampled: no crash, no probe error, no error- or warning-level finding, and losses
+bit-identical to the unwatched run."""
+import pytest
+import zoo_harness as harness
+import zoo_models as models
+
+harness.require("transformers")
+harness.require("diffusers")
+harness.require("peft")
+ZOO = {zm.name: zm for zm in models.transformers_models() + models.diffusers_models() + models.peft_models()}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_trains_clean(name, run_dir):
+    harness.assert_trains_clean(ZOO[name], run_dir)

@@ -1,0 +1,20 @@
+"""Every detection, segmentation, video and optical-flow constructor of torchvision.models trains a few steps
+watched with every step sampled: no crash, no probe error, no error- or warning-level finding, and losses
+bit-identical to the unwatched run."""
+import pytest
+import zoo_harness as harness
+import zoo_models as models
+
+tv = harness.require("torchvision")
+KINDS = ("detection", "segmentation", "video", "optical_flow")
+DENSE = set().union(*(tv.models.list_models(getattr(tv.models, m)) for m in KINDS))
+ZOO = {zm.name: zm for zm in models.torchvision_models() if zm.name in DENSE}
+
+
+def test_every_dense_prediction_constructor_is_here():
+    assert set(ZOO) == DENSE and len(DENSE) > 25
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_trains_clean(name, run_dir):
+    harness.assert_trains_clean(ZOO[name], run_dir)
