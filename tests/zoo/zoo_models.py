@@ -355,7 +355,7 @@ def diffusers_models() -> list[ZooModel]:
 
     def controlnet_batch(gen: torch.Generator) -> Batch:
         b = _latents(4, 16, 16)(gen)
-        b["cond"] = torch.rand(2, 3, 64, 64, generator=gen)
+        b["cond"] = torch.rand(2, 3, 32, 32, generator=gen)     # its embedding halves it to the latents
         return b
 
     return [ZooModel("diffusers/unet2d", unet2d, _latents(3, 16), _denoise, adam=True),
