@@ -48,6 +48,18 @@ class CallSites:
         self.shared = m.shared
         return flat
 
+    def least_dead(self, m: ModuleColumns, dead: torch.Tensor) -> torch.Tensor:
+        """The dead fraction per module of its call with the fewest dead units (a module called once: its own):
+        units dead in every call are at most that many."""
+        if not m.shared:
+            return dead
+        least = dead.clone()
+        for shared in m.shared.values():
+            measured = [r[0] for r in shared.rows if r[0] == r[0]]
+            if measured:
+                least[shared.row] = min(measured)
+        return least
+
     def judge(self, flagged: list[int], constant: torch.Tensor, flat: torch.Tensor) -> None:
         """The call judged of each flagged module called several times: the first whose output was flat in every
         sample of the window (``flat``) when the module is ``constant``, else the one with the most dead units."""

@@ -208,7 +208,9 @@ class DynamicDetectors:
     def __init__(self, window: int = 16) -> None:
         self.window = window
         # flat: bit k set when call k's output had no spread (std 0 over more than one value)
-        self.modules = _Window(window, ("std", "mean", "dead", "sat", "nonfinite", "numel", "zero", "flat"))
+        # least: a module called several times a step, its call with the fewest dead units (dead-units needs them
+        # dead in every call: RAFT's motion encoder meets a zero flow in its first call only)
+        self.modules = _Window(window, ("std", "mean", "dead", "least", "sat", "nonfinite", "numel", "zero", "flat"))
         # per module call: the sampled step it was in (counted here) and its output's size, exactly
         self.calls = _Window(window, ("at", "numel", "per_unit"), torch.float64)
         self.samples = 0                    # sampled steps observed
@@ -225,8 +227,10 @@ class DynamicDetectors:
         stats = dict(zip(MODULE_STATS, m.stats.to(torch.float32).T, strict=True))
         numel = torch.tensor(m.numel, dtype=torch.float64)
         flat = self.sites.observe(m, stats["std"], numel)
+        least = self.sites.least_dead(m, stats["dead_frac"])
         self.modules.observe(m.module_ids, {
-            "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "sat": stats["sat_frac"],
+            "std": stats["std"], "mean": stats["mean"], "dead": stats["dead_frac"], "least": least,
+            "sat": stats["sat_frac"],
             "nonfinite": stats["nonfinite"], "numel": numel.to(torch.float32), "zero": stats["zero_frac"],
             "flat": flat})
         self.calls.observe(m.module_ids, {"at": torch.full((len(m.module_ids),), float(self.samples),
@@ -277,7 +281,7 @@ class DynamicDetectors:
         constant = eligible & (((flat > 0) & same_value) | one_value)
         dead = w.last("dead")
         dead_layer = eligible & ~constant & (dead >= DEAD_LAYER)
-        dead_units = eligible & ~constant & (dead >= DEAD_UNITS) & (dead < DEAD_LAYER)
+        dead_units = eligible & ~constant & (w.last("least") >= DEAD_UNITS) & (dead < DEAD_LAYER)
         sats = torch.stack([w.last("sat", k) for k in range(MIN_SAMPLES)])
         sat_mean = sats.mean(0)
         saturated = eligible & ~torch.isnan(sats).any(0) & (sat_mean > SATURATED)
@@ -419,7 +423,8 @@ class DynamicDetectors:
         held fewer than MIN_UNIT_VALUES values per unit over them (SPARSE_ROWS for a module called in some of those
         steps only; the judged call of each step counted), or a dropout
         training (``drop``) under which a live unit's values may all have been dropped (chance DROPPED_ALL or more).
-        A ``constant`` output over MIN_SAMPLES calls is evidence by itself (it does not depend on the units)."""
+        A ``constant`` output over MIN_SAMPLES calls whose outputs held MIN_UNIT_VALUES values per unit is evidence
+        enough, in whichever steps it was called."""
         c = self.calls
         if mid >= c.count.numel():
             return None
@@ -428,8 +433,6 @@ class DynamicDetectors:
         n = int(inside.sum())
         if n < MIN_SAMPLES:
             return None
-        if constant:
-            return n
         every_step = n >= min(self.window, self.samples)      # called in every sampled step of the window
         sizes = [int(v) for v in numel[inside].tolist() if v > 0]
         if not sizes:
@@ -439,6 +442,10 @@ class DynamicDetectors:
         bound = sum(sizes) // math.gcd(*sizes)
         per_unit = [int(v) for v in c.buf["per_unit"][:, mid][inside].tolist()]
         rows = sum(per_unit) if all(v > 0 for v in per_unit) else bound    # exactly, where the layouts tell
+        if constant:
+            # a flat output needs no rows per unit beyond these: a Squeeze-and-Excitation ReLU on two pooled
+            # samples a step can stay at zero for a few steps while alive
+            return n if rows >= MIN_UNIT_VALUES else None
         if rows < (MIN_UNIT_VALUES if every_step else SPARSE_ROWS):
             return None
         if drop is not None:

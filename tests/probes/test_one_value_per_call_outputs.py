@@ -41,18 +41,21 @@ class SENet(nn.Module):
         return self.head(self.se(self.stem(x)).mean((2, 3)))
 
 
-def se_run(run_dir, dead: bool) -> dict:
+def se_run(run_dir, dead: bool, steps: int = 3) -> dict:
     torch.manual_seed(0)
     model = SENet(dead)
     g = torch.Generator().manual_seed(0)
-    return findings(model, run_dir, 3, lambda: F.cross_entropy(
+    return findings(model, run_dir, steps, lambda: F.cross_entropy(
         model(torch.rand(2, 3, 32, 32, generator=g)), torch.randint(0, 4, (2,), generator=g)))
 
 
 def test_a_squeeze_excitation_relu_on_pooled_features_is_not_judged_on_six_values(run_dir):
     assert se_run(run_dir, dead=False) == {}
-    # the same ReLU dead (constant zero) is found as soon as before: a flat output needs no more values
-    found = se_run(run_dir / "dead", dead=True)
+    # the same ReLU dead (constant zero, as a healthy one can be on two pooled samples for a few steps) is found
+    # once its outputs held MIN_UNIT_VALUES values a unit: 8 steps of 2 samples, not 7
+    per_step = 2
+    assert se_run(run_dir / "dead7", dead=True, steps=detectors.MIN_UNIT_VALUES // per_step - 1) == {}
+    found = se_run(run_dir / "dead", dead=True, steps=detectors.MIN_UNIT_VALUES // per_step)
     assert set(found) == {"se.activation"} and found["se.activation"].code == "dead-layer"
 
 
@@ -85,7 +88,8 @@ def critic_run(run_dir, dead: bool, steps: int) -> dict:
 
 def test_a_critic_on_one_state_a_step_is_not_judged_on_a_few_values(run_dir):
     assert critic_run(run_dir, dead=False, steps=6) == {}
-    found = critic_run(run_dir / "dead", dead=True, steps=3)
+    assert critic_run(run_dir / "dead15", dead=True, steps=detectors.MIN_UNIT_VALUES - 1) == {}
+    found = critic_run(run_dir / "dead", dead=True, steps=detectors.MIN_UNIT_VALUES)
     assert set(found) == {"body.1"} and found["body.1"].code == "dead-layer"
 
 

@@ -17,6 +17,14 @@ import probes
 
 STEPS = 3                     # every finding needs at most three sampled steps
 
+# findings that are true of a model as initialised, on the zoo's random inputs, and so expected: SqueezeNet (no
+# BatchNorm, kaiming-uniform weights, zero biases) starts with a quarter of some squeeze layers' units never active:
+# over 64 random 128 x 128 images (14,400 values a unit) the same units stay at zero
+TRUE_AT_INIT = {
+    "squeezenet1_0": {("dead-units", "features.7.squeeze_activation")},
+    "squeezenet1_1": {("dead-units", "features.9.squeeze_activation")},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
@@ -66,7 +74,8 @@ def assert_trains_clean(zm: ZooModel, run_dir: Path) -> Trained:
     watched = train(zm, run_dir)
     gc.collect()
     assert not watched.probe_errors, watched.probe_errors
-    loud = [str(f) for f in watched.findings if f.severity in ("error", "warning")]
+    expected = TRUE_AT_INIT.get(zm.name, set())
+    loud = [str(f) for f in watched.findings if f.severity in ("error", "warning") and (f.code, f.path) not in expected]
     assert loud == [], "\n".join(loud)
     assert watched.loss_bits() == plain.loss_bits(), (plain.losses, watched.losses)
     assert all(v == v for v in plain.losses), f"{zm.name} diverged: {plain.losses}"     # a healthy run stays finite

@@ -121,7 +121,8 @@ def flow_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- torchvision
 # the smallest inputs each architecture takes (its downsampling, windows and pools), batch 2 unless said
-_TV_SIZE = {"inception_v3": 128, "quantized_inception_v3": 128, "maxvit_t": 224, "vit_b_16": 32, "vit_l_16": 32,
+_TV_SIZE = {"squeezenet1_0": 128, "squeezenet1_1": 128, "inception_v3": 75, "quantized_inception_v3": 75,
+            "maxvit_t": 224, "vit_b_16": 32, "vit_l_16": 32,
             "vit_b_32": 64, "vit_l_32": 64, "vit_h_14": 28}
 _TV_ADAM = ("vit_", "swin", "maxvit", "mvit")
 
@@ -134,6 +135,8 @@ def _tv_kwargs(name: str) -> dict[str, Any]:
         kwargs["quantize"] = False           # the float model, as quantization-aware training starts from
     if "googlenet" in name or "inception" in name:
         kwargs["init_weights"] = True
+    if "inception" in name:
+        kwargs["aux_logits"] = False         # its auxiliary head needs 299 x 299 inputs: GoogLeNet trains one
     return kwargs
 
 
