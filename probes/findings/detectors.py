@@ -5,9 +5,10 @@ Definitions (also in docs/usage.md):
   when any of its values is non-zero. The *window* is the last ``window`` sampled steps (default 16).
   A unit is dead when it was not active in any call of the window.
 - dead-layer: >= 90% dead units, or the output is constant (std == 0 over more than one value, and the same mean) in
-  every sample of the window, or, for an output of one value per call, that value stayed the same over ``MIN_UNIT_VALUES`` calls (a
-  loss module's changes every step); dead-units: 25% to 90%; at the innermost module, not again at the wrappers
-  returning its very output. Both need at least ``MIN_SAMPLES`` calls of the module within the window, and at least
+  every sample of the window, or, for an output of one value per call, that value stayed the same over
+  ``MIN_UNIT_VALUES`` calls (a loss module's changes every step); dead-units: 25% to 90%; at the innermost module,
+  not again at the wrappers returning its very output. Both need at least ``MIN_SAMPLES`` calls of the module within
+  the window, and at least
   ``MIN_UNIT_VALUES`` values per unit over the window (each call's values per unit, from its layout; a lower bound
   from the outputs' sizes where units are not tracked): a Squeeze-and-Excitation ReLU on pooled features holds one
   value per sample, and a live unit stays zero over a few of them by chance. A module called in some sampled steps
