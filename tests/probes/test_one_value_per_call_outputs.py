@@ -6,13 +6,16 @@ forward, which changes every step, is not constant, while one that returns the s
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import SqueezeExcitation
 
 import probes
 from probes.findings import detectors
+
+# torchvision's own block (tests/run.sh installs the torchvision built for your torch)
+SqueezeExcitation = pytest.importorskip("torchvision.ops").SqueezeExcitation
 
 
 def findings(model, run_dir, steps, batch_fn, every=1) -> dict:
